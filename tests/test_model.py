@@ -1,0 +1,210 @@
+"""The model against transformers, and cached / tree / packed forwards against the plain full forward."""
+
+import pytest
+import torch
+
+import tlt
+from tlt.model import KVCache
+
+ROPE_CASES = {
+    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen2": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen3": dict(tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers_on_padded_batch(hf_folder, arch):
+    hf, folder = hf_folder(arch, **ROPE_CASES[arch])
+    model = tlt.load_model(folder)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (3, 40))
+    right = torch.ones_like(ids)
+    right[1, 30:] = 0
+    right[2, 11:] = 0
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=right).logits
+        got = model(ids, attention_mask=right).logits
+    assert (ref - got)[right.bool()].abs().max() <= 1e-4
+
+    left = right.flip(1)
+    pos = (left.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=left, position_ids=pos).logits
+        got = model(ids, attention_mask=left).logits
+    assert (ref - got)[left.bool()].abs().max() <= 1e-4
+
+
+def test_rope_scaling_changes_logits(hf_folder):
+    """Guards the test above: without the scaling the logits must differ, so it was really exercised."""
+    _, plain = hf_folder("llama", seed=3)
+    _, scaled = hf_folder("llama", seed=3, **ROPE_CASES["llama"])
+    ids = torch.randint(3, 97, (1, 40))
+    with torch.no_grad():
+        a = tlt.load_model(plain)(ids).logits
+        b = tlt.load_model(scaled)(ids).logits
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    from conftest import tiny_hf_model
+
+    hf = tiny_hf_model("llama", hidden_size=128, intermediate_size=256)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        assert (hf(ids).logits - tlt.load_model(tmp_path)(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_saved_model_loads_in_transformers(tiny_model, tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    model = tiny_model(architecture=names[arch], qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2",
+                       tie_word_embeddings=arch == "llama")
+    model.save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 61, (2, 17))
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max() <= 1e-4
+        assert (tlt.load_model(tmp_path)(ids).logits - model(ids).logits).abs().max() == 0
+
+
+def test_packed_rows_equal_separate_sequences(tiny_model):
+    model = tiny_model()
+    a, b = torch.randint(0, 61, (1, 7)), torch.randint(0, 61, (1, 5))
+    packed = torch.cat([a, b], 1)
+    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    with torch.no_grad():
+        out = model(packed, position_ids=pos).logits
+        assert (out[:, :7] - model(a).logits).abs().max() <= 1e-5
+        assert (out[:, 7:] - model(b).logits).abs().max() <= 1e-5
+
+
+def test_cached_decoding_equals_full_forward(tiny_model):
+    model = tiny_model()
+    ids = torch.randint(0, 61, (3, 30))
+    lengths = torch.tensor([10, 6, 8])  # prompts of different lengths, right-padded in one prefill
+    valid = torch.arange(10)[None] < lengths[:, None]
+    cache = model.new_cache(3, block=8)
+    with torch.no_grad():
+        full = model(ids).logits
+        prefill = model(ids[:, :10] * valid, attention_mask=valid, cache=cache)
+        assert cache.lengths.tolist() == lengths.tolist()
+        for b in range(3):
+            n = int(lengths[b])
+            assert (prefill.logits[b, :n] - full[b, :n]).abs().max() <= 1e-5
+        # Each row continues from its own length: feed row b the token at its own next position.
+        for _ in range(15):
+            step = torch.stack([ids[b, cache.lengths[b]] for b in range(3)])[:, None]
+            before = cache.lengths.clone()
+            out = model(step, cache=cache).logits[:, 0]
+            for b in range(3):
+                assert (out[b] - full[b, before[b]]).abs().max() <= 1e-5
+    assert cache.capacity % 8 == 0 and cache.capacity >= cache.max_length
+
+
+def random_tree(T: int, seed: int) -> list[int]:
+    """parents[i] < i, -1 for children of the cached prefix."""
+    g = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, T)]
+
+
+def ancestors(parents: list[int]) -> torch.Tensor:
+    T = len(parents)
+    m = torch.eye(T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i] |= m[p]
+    return m
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_forward_equals_each_path(tiny_model):
+    model = tiny_model()
+    prefix = torch.randint(0, 61, (2, 9))
+    T = 12
+    parents = random_tree(T, seed=4)
+    tree_tokens = torch.randint(0, 61, (2, T))
+    depth = torch.tensor([len(path_to(parents, i)) - 1 for i in range(T)])
+    with torch.no_grad():
+        cache = model.new_cache(2)
+        model(prefix, cache=cache)
+        out = model(tree_tokens, position_ids=9 + depth.expand(2, T), tree_mask=ancestors(parents), cache=cache)
+        for node in range(T):
+            path = path_to(parents, node)
+            ref = model(torch.cat([prefix, tree_tokens[:, path]], 1)).logits[:, -1]
+            assert (out.logits[:, node] - ref).abs().max() <= 1e-5
+
+
+def test_compaction_and_rollback_equal_direct_cache(tiny_model):
+    model = tiny_model()
+    prefix = torch.randint(0, 61, (2, 9))
+    T = 10
+    parents = random_tree(T, seed=5)
+    tree_tokens = torch.randint(0, 61, (2, T))
+    depth = torch.tensor([len(path_to(parents, i)) - 1 for i in range(T)])
+    keep = [path_to(parents, T - 1), path_to(parents, 4)]
+    K = max(len(k) for k in keep)
+    keep_idx = torch.tensor([k + [0] * (K - len(k)) for k in keep])
+    nxt = torch.randint(0, 61, (2, 1))
+    with torch.no_grad():
+        cache = model.new_cache(2)
+        model(prefix, cache=cache)
+        model(tree_tokens, position_ids=9 + depth.expand(2, T), tree_mask=ancestors(parents), cache=cache)
+        cache.compact(torch.tensor([9, 9]), keep_idx, torch.tensor([len(k) for k in keep]))
+        got = model(nxt, cache=cache).logits[:, 0]
+        for b in range(2):
+            ref = model(torch.cat([prefix[b], tree_tokens[b, keep[b]], nxt[b]])[None]).logits[0, -1]
+            assert (got[b] - ref).abs().max() <= 1e-5
+
+        seq = torch.cat([prefix, tree_tokens], 1)
+        cache = model.new_cache(2)
+        model(seq, cache=cache)
+        cache.rollback(torch.tensor([9, 12]))
+        got = model(nxt, cache=cache).logits[:, 0]
+        for b, n in enumerate([9, 12]):
+            ref = model(torch.cat([seq[b, :n], nxt[b]])[None]).logits[0, -1]
+            assert (got[b] - ref).abs().max() <= 1e-5
+
+
+def test_fork_select_concat_equal_separate_prefills(tiny_model):
+    model = tiny_model()
+    a, b = torch.randint(0, 61, (1, 7)), torch.randint(0, 61, (1, 11))
+    with torch.no_grad():
+        ca, cb = model.new_cache(1), model.new_cache(1)
+        model(a, cache=ca)
+        model(b, cache=cb)
+        ca.fork([3])
+        cache = KVCache.concat([ca, cb])
+        assert cache.lengths.tolist() == [7, 7, 7, 11]
+        cache.select_rows([3, 0, 2])  # drop one forked row, reorder
+        nxt = torch.randint(0, 61, (3, 1))
+        got = model(nxt, cache=cache).logits[:, 0]
+        for row, prompt in enumerate([b, a, a]):
+            ref = model(torch.cat([prompt[0], nxt[row]])[None]).logits[0, -1]
+            assert (got[row] - ref).abs().max() <= 1e-5
+    assert cache.nbytes() > 0
+
+
+def test_cache_memory_follows_live_tokens(tiny_model):
+    model = tiny_model()
+    cache = model.new_cache(4, block=16)
+    with torch.no_grad():
+        model(torch.randint(0, 61, (4, 40)), cache=cache)
+    big = cache.nbytes()
+    cache.select_rows([0])
+    assert cache.nbytes() * 4 <= big
+    cache.rollback(5)
+    cache.shrink()
+    assert cache.capacity == 16

@@ -1,0 +1,188 @@
+"""Model configuration, read from and written to Hugging Face `config.json`.
+
+One dataclass describes every Llama-family decoder tlt runs. The three supported architectures differ
+only in a few switches:
+
+| architecture       | q/k/v bias          | o bias          | q/k RMSNorm |
+|--------------------|---------------------|-----------------|-------------|
+| LlamaForCausalLM   | `attention_bias`    | `attention_bias`| no          |
+| Qwen2ForCausalLM   | always              | never           | no          |
+| Qwen3ForCausalLM   | `attention_bias`    | `attention_bias`| yes         |
+
+RoPE parameters are accepted in both the transformers 5 layout (`rope_parameters` holding `rope_theta`
+and `rope_type`) and the older one (`rope_theta` plus `rope_scaling`), and always written in the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tlt.errors import ConfigError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and switches of one Llama-family decoder."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r} is not supported; expected one of {sorted(ARCHITECTURES)}")
+        for name in _REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"field {name!r} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rope_scaling is not None:
+            from tlt.model.rope import check_rope_scaling
+
+            check_rope_scaling(self.rope_scaling)
+
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a parsed Hugging Face config; `source` names the file in error messages."""
+        archs = raw.get("architectures")
+        if not archs:
+            model_type = raw.get("model_type")
+            by_type = {v: k for k, v in ARCHITECTURES.items()}
+            if model_type not in by_type:
+                raise ConfigError(
+                    f"{source}: field 'architectures' is missing and model_type {model_type!r} is not one of "
+                    f"{sorted(by_type)}"
+                )
+            archs = [by_type[model_type]]
+        arch = archs[0]
+        if arch not in ARCHITECTURES:
+            raise ConfigError(
+                f"{source}: architectures value {arch!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
+            )
+        for name in _REQUIRED:
+            if name not in raw:
+                raise ConfigError(f"{source}: required field {name!r} is missing")
+        if raw.get("use_sliding_window"):
+            raise ConfigError(f"{source}: field 'use_sliding_window' is true; sliding-window attention is not supported")
+        heads = raw["num_attention_heads"]
+        rope = dict(raw.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        if "rope_scaling" in raw and raw["rope_scaling"]:
+            rope.update(raw["rope_scaling"])
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type != "default":
+            scaling = {k: v for k, v in rope.items() if k != "type"}
+            scaling["rope_type"] = rope_type
+            scaling.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
+        attention_bias = bool(raw.get("attention_bias", False))
+        qwen2 = arch == "Qwen2ForCausalLM"
+        known = set(_REQUIRED) | {
+            "architectures", "model_type", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias",
+            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "use_sliding_window",
+        }
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                max_position_embeddings=raw.get("max_position_embeddings", 2048),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                rope_scaling=scaling,
+                qkv_bias=True if qwen2 else attention_bias,
+                o_bias=False if qwen2 else attention_bias,
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_id=raw.get("eos_token_id"),
+                pad_token_id=raw.get("pad_token_id"),
+                extra={k: v for k, v in raw.items() if k not in known},
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json transformers expects for this architecture."""
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope.update(self.rope_scaling)
+        out: dict[str, Any] = {
+            k: v for k, v in self.extra.items() if k not in ("transformers_version", "dtype", "torch_dtype")
+        }
+        out.update(
+            architectures=[self.architecture],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        if self.architecture != "Qwen2ForCausalLM":
+            out["attention_bias"] = self.qkv_bias
+        if self.architecture == "LlamaForCausalLM":
+            out["mlp_bias"] = self.mlp_bias
+        return out

@@ -1,0 +1,175 @@
+"""The key/value cache of a batch of sequences.
+
+Layout: for each layer, one key and one value tensor of shape [B, H_kv, C, D]. Row b holds its
+`lengths[b]` cached tokens left-aligned in slots 0 .. lengths[b]-1, in sequence order; slots past a row's
+length are garbage and never attended. Rows may have different lengths. C, the capacity, is a multiple
+of `block` and follows the live tokens: it grows when a write would overflow and shrinks when the
+longest rows leave, so memory is proportional to max(lengths) x live rows.
+
+A forward over T new tokens writes them at slots lengths[b] .. lengths[b]+T-1 (`write`) and then
+advances the lengths (`advance`). Everything a decoding loop needs afterwards is a method here, so no
+index arithmetic leaks into the engine:
+  - `rollback(lengths)`: forget tokens past the given lengths (rejected drafts);
+  - `compact(base, keep, counts)`: keep only chosen new slots, moved to follow `base` (the accepted path
+    of a tree draft);
+  - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch);
+  - `fork(counts)`: repeat each row counts[b] times (n samples of one prompt share one prefill);
+  - `concat(caches)`: join batches (admitting freshly prefilled requests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        block: int = 64,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim, self.block = num_layers, num_kv_heads, head_dim, block
+        self.dtype, self.device = dtype, torch.device(device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.keys = [self._empty(batch_size, 0) for _ in range(num_layers)]
+        self.values = [self._empty(batch_size, 0) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch_size: int, **kwargs) -> "KVCache":
+        c = model.config
+        p = next(model.parameters())
+        kwargs.setdefault("dtype", p.dtype)
+        kwargs.setdefault("device", p.device)
+        return cls(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, **kwargs)
+
+    def _empty(self, batch: int, capacity: int) -> torch.Tensor:
+        return torch.empty(batch, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _like(self, lengths: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "KVCache":
+        out = object.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        out.lengths, out.keys, out.values = lengths, keys, values
+        return out
+
+    # --- size --------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max()) if self.batch_size else 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def _resize(self, capacity: int) -> None:
+        keep = min(capacity, self.capacity)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = self._empty(self.batch_size, capacity)
+                new[:, :, :keep] = old[:, :, :keep]
+                store[i] = new
+
+    def reserve(self, new_tokens: int) -> None:
+        """Make room for `new_tokens` more tokens in every row."""
+        need = self.max_length + new_tokens
+        if need > self.capacity:
+            self._resize(-(-need // self.block) * self.block)
+
+    def shrink(self) -> None:
+        """Release capacity beyond the longest row (rounded up to a block)."""
+        fit = -(-self.max_length // self.block) * self.block
+        if fit < self.capacity:
+            self._resize(fit)
+
+    # --- writing -----------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new k/v [B, H_kv, T, D] after each row's cached tokens; return keys/values [B, H_kv, S, D]
+        covering slots 0 .. max_length+T-1 (the caller masks each row's slots past lengths[b]+T)."""
+        T = k.shape[2]
+        if self.max_length + T > self.capacity:
+            self.reserve(T)
+        slots = self.lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(slots)
+        self.keys[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, C, D]
+        self.values[layer][rows, :, slots] = v.transpose(1, 2)
+        end = self.max_length + T
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, counts: torch.Tensor | int) -> None:
+        """Count `counts` (per row or for all) freshly written tokens as cached."""
+        self.lengths = self.lengths + counts
+
+    # --- editing -----------------------------------------------------------------------------------
+    def rollback(self, lengths: torch.Tensor | int) -> None:
+        """Truncate row b to lengths[b] tokens (an int applies to every row)."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.device).expand(self.batch_size)
+        if bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
+            raise ValueError("rollback can only shorten rows")
+        self.lengths = lengths.clone()
+
+    def compact(self, base: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """For row b keep the new slots base[b] + keep[b, j] for j < counts[b], moved to base[b] + j,
+        and drop the rest: the accepted path of a verified tree. keep: [B, K] ascending offsets."""
+        K = keep.shape[1]
+        if K == 0:
+            self.rollback(base)
+            return
+        src = base[:, None] + keep  # [B, K]
+        dst = base[:, None] + torch.arange(K, device=self.device)  # [B, K]
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(src)
+        for store in (self.keys, self.values):
+            for t in store:
+                t[rows, :, dst] = t[rows, :, src]
+        self.lengths = base + counts
+
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep (and reorder) the given rows; memory of dropped rows is released."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        self.lengths = self.lengths[rows]
+        fit = -(-self.max_length // self.block) * self.block
+        self.keys = [t[rows, :, :fit] for t in self.keys]
+        self.values = [t[rows, :, :fit] for t in self.values]
+
+    def fork(self, counts: torch.Tensor | list[int]) -> None:
+        """Repeat row b counts[b] times, in place (rows stay grouped)."""
+        counts = torch.as_tensor(counts, dtype=torch.long, device=self.device)
+        self.select_rows(torch.repeat_interleave(torch.arange(self.batch_size, device=self.device), counts))
+
+    @staticmethod
+    def concat(caches: list["KVCache"]) -> "KVCache":
+        """One cache holding the rows of all `caches`, in order."""
+        caches = [c for c in caches if c.batch_size]
+        if not caches:
+            raise ValueError("concat needs at least one non-empty cache")
+        first = caches[0]
+        cap = max(c.capacity for c in caches)
+        lengths = torch.cat([c.lengths for c in caches])
+
+        def join(store: str, layer: int) -> torch.Tensor:
+            parts = []
+            for c in caches:
+                t = getattr(c, store)[layer]
+                if t.shape[2] < cap:
+                    pad = first._empty(c.batch_size, cap - t.shape[2])
+                    t = torch.cat([t, pad], dim=2)
+                parts.append(t)
+            return torch.cat(parts, dim=0)
+
+        keys = [join("keys", i) for i in range(first.num_layers)]
+        values = [join("values", i) for i in range(first.num_layers)]
+        return first._like(lengths, keys, values)
+
+    def clone(self) -> "KVCache":
+        return self._like(self.lengths.clone(), [t.clone() for t in self.keys], [t.clone() for t in self.values])

@@ -1,0 +1,108 @@
+"""Rotary position embeddings and the frequency scalings used by Llama 3 and Qwen checkpoints.
+
+`inverse_frequencies(config)` returns (inv_freq [head_dim/2], attention_scaling). The cos/sin tables are
+computed in fp32 from explicit position ids, so the same code serves training (packed or padded rows),
+cached decoding and tree drafts (where a node's position is its depth, not its slot).
+
+Supported `rope_type`s: default, linear (position interpolation), llama3 (wavelength-banded scaling)
+and yarn (NTK-by-parts with an attention temperature). Dynamic NTK changes the frequencies with the
+sequence length at run time, which would make cached and full forwards disagree; it is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tlt.errors import ConfigError
+
+_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling: dict[str, Any]) -> None:
+    kind = scaling.get("rope_type")
+    if kind not in _REQUIRED_KEYS:
+        raise ConfigError(f"rope_type {kind!r} is not supported; expected one of default, {', '.join(_REQUIRED_KEYS)}")
+    for key in _REQUIRED_KEYS[kind]:
+        if scaling.get(key) is None:
+            raise ConfigError(f"rope scaling of type {kind!r} needs field {key!r}")
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, factor, scaling), 1.0
+    return _yarn(head_dim, theta, factor, scaling)
+
+
+def _llama3(inv_freq: torch.Tensor, factor: float, s: dict[str, Any]) -> torch.Tensor:
+    old_len = s["original_max_position_embeddings"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended smoothly.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn(head_dim: int, theta: float, factor: float, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    old_len = s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention = mscale(factor)
+    beta_fast = s.get("beta_fast") or 32
+    beta_slow = s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolate = 1 - ramp  # 1 keeps the original frequency, 0 interpolates it fully
+    inv_freq = (1.0 / (factor * base)) * (1 - extrapolate) + (1.0 / base) * extrapolate
+    return inv_freq, float(attention)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [B, T, D] for integer positions [B, T]."""
+    angles = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] by the tables [B, T, D] (rotate-half convention)."""
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

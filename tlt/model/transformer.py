@@ -1,0 +1,227 @@
+"""One decoder implementation for every Llama-family checkpoint (Llama, Qwen2, Qwen3).
+
+Pre-norm decoder layers: RMSNorm -> grouped-query attention with RoPE (optional q/k/v bias, optional
+per-head q/k RMSNorm) -> residual -> RMSNorm -> SwiGLU MLP -> residual; a final RMSNorm and the LM head
+(tied to the embedding or not). Parameter names are those of transformers' state dicts, so checkpoints
+load and save without a name map.
+
+`forward` has two modes sharing every line of math but the attention mask:
+  - training (`cache=None`): causal attention over `input_ids` [B, T]; `attention_mask` [B, T] marks real
+    tokens (left or right padding); explicit `position_ids` where a 0 starts a new sequence give packed
+    rows with no attention across sequence boundaries.
+  - cached (`cache` given): `input_ids` [B, T] are new tokens appended after each row's cached ones;
+    they attend to the whole cache plus, among themselves, what `tree_mask` [T, T] or [B, T, T] allows
+    (causal when None: a tree draft passes its ancestor matrix). `attention_mask` [B, T] marks real new
+    tokens, right-padded (a batch of prompts of different lengths prefilled at once).
+Both return `ModelOutput`: logits (optionally only at `logit_index`), the last-layer hidden states after
+the final norm (the feature f of EAGLE drafters: lm_head(f) gives the logits) and, on request, the outputs
+of chosen intermediate layers (EAGLE-3 style low/mid/high features).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt.model.config import ModelConfig
+from tlt.model.kv_cache import KVCache
+from tlt.model.rope import apply_rope, inverse_frequencies, rope_tables
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V], or [B, K, V] when logit_index was given
+    hidden_states: torch.Tensor  # [B, T, H], after the final norm
+    layer_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [B, T, H]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementation does, so bf16 models agree with it.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        if cache is not None:
+            k, v = cache.write(layer, k, v)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+def training_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, T: int, device):
+    """Boolean mask [B, 1, T, T]: causal, no padded keys, no attention across packed sequences."""
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None].expand(B, T, T)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, :]
+    if position_ids is not None:
+        segment = torch.cumsum((position_ids == 0).long(), dim=1)  # [B, T]
+        allowed = allowed & (segment[:, :, None] == segment[:, None, :])
+    # Every query may see itself, so fully padded query rows stay finite (their outputs are ignored).
+    return (allowed | torch.eye(T, dtype=torch.bool, device=device))[:, None]
+
+
+def cached_mask(lengths: torch.Tensor, tree: torch.Tensor, valid: torch.Tensor, S: int) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S] for T new tokens after `lengths` [B] cached ones, keys in slots 0..S-1.
+    tree: [B, T, T] allowed pairs among new tokens; valid: [B, T] real (unpadded) new tokens."""
+    B, T = valid.shape
+    rel = torch.arange(S, device=lengths.device)[None, :] - lengths[:, None]  # [B, S] slot - base
+    in_new = (rel >= 0) & (rel < T)  # [B, S]
+    idx = rel.clamp(0, T - 1)  # [B, S]
+    among_new = torch.gather(tree, 2, idx[:, None, :].expand(B, T, S))  # [B, T, S]
+    among_new = among_new & torch.gather(valid, 1, idx)[:, None, :] & in_new[:, None, :]
+    itself = rel[:, None, :] == torch.arange(T, device=lengths.device)[None, :, None]  # [B, T, S]
+    return ((rel < 0)[:, None, :] | among_new | itself)[:, None]
+
+
+class Transformer(nn.Module):
+    """A Llama-family causal LM. See the module docstring for the two forward modes."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, scaling = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scaling_factor = scaling
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, batch_size: int, **kwargs) -> KVCache:
+        return KVCache.for_model(self, batch_size, **kwargs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        tree_mask: torch.Tensor | None = None,
+        logit_index: torch.Tensor | None = None,
+        output_layers: Sequence[int] = (),
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """logit_index [B, K]: positions whose logits to compute (all when None). output_layers: indices
+        of decoder layers whose outputs (before the final norm) are returned in `layer_states`."""
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
+        B, T = x.shape[:2]
+        device = x.device
+        if cache is None:
+            if position_ids is None and attention_mask is not None:
+                position_ids_used = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
+            else:
+                position_ids_used = position_ids
+            if position_ids_used is None:
+                position_ids_used = torch.arange(T, device=device)[None].expand(B, T)
+            mask = training_mask(attention_mask, position_ids, B, T, device)
+        else:
+            valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+            if tree_mask is None:
+                tree = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            else:
+                tree = tree_mask.bool()
+            tree = tree.expand(B, T, T) if tree.dim() == 2 else tree
+            base = cache.lengths
+            position_ids_used = base[:, None] + torch.arange(T, device=device) if position_ids is None else position_ids
+            mask = cached_mask(base, tree, valid, cache.max_length + T)
+        cos, sin = rope_tables(position_ids_used, self.inv_freq, self.rope_scaling_factor, x.dtype)
+        wanted = set(output_layers)
+        layer_states = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+            if i in wanted:
+                layer_states[i] = x
+        if cache is not None:
+            cache.advance(valid.long().sum(1) if attention_mask is not None else T)
+        hidden = self.model.norm(x)  # [B, T, H]
+        picked = hidden if logit_index is None else torch.gather(
+            hidden, 1, logit_index[..., None].expand(-1, -1, hidden.shape[-1])
+        )
+        return ModelOutput(self.lm_head(picked), hidden, layer_states)
+
+    def save_pretrained(self, directory, **kwargs) -> None:
+        """Write config.json, generation_config.json and model.safetensors that transformers loads."""
+        from tlt.model.checkpoint import save_pretrained
+
+        save_pretrained(self, directory, **kwargs)

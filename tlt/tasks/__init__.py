@@ -1,0 +1,48 @@
+"""Built-in reasoning tasks: problems to roll out, reference solutions to SFT on, and rewards.
+
+A task turns a seed into problems (`sample`), writes step-by-step solutions (`solve`, optionally
+with injected errors, for an imperfect SFT starting point that RL can improve) and scores a
+completion (`reward`, through a pure verifier). The built-in one, multi-step modular arithmetic, is
+made for testing an RL system on a CPU: problems are generated, never downloaded; the answer is
+checked exactly; and the number of steps follows a Zipf law, so rollout lengths have the long tail
+that speculative decoding and the spot trainer exist to exploit. `CharTokenizer` covers its
+alphabet with the same interface as a Hugging Face tokenizer, so tiny test models and real
+checkpoints go through the same code.
+
+Tasks are looked up by name in `TASKS`; `get_task("arithmetic", max_steps=16)` builds one from its
+config fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tlt.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, parse_answer, verify
+from tlt.tasks.tokenizer import CharTokenizer
+
+TASKS = {"arithmetic": ArithmeticTask}
+
+
+def get_task(name: str, **config_kwargs: object) -> ArithmeticTask:
+    """The task registered as `name`, built from its config class with `config_kwargs`."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    task_class = TASKS[name]
+    config_class = task_class.config_class
+    known = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(config_kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown config keys for task {name!r}: {unknown}; known keys: {sorted(known)}")
+    return task_class(config_class(**config_kwargs))
+
+
+__all__ = [
+    "TASKS",
+    "ArithmeticTask",
+    "CharTokenizer",
+    "Problem",
+    "TaskConfig",
+    "get_task",
+    "parse_answer",
+    "verify",
+]
