@@ -325,8 +325,10 @@ def test_tokenizer_errors() -> None:
     tok = CharTokenizer()
     with pytest.raises(ValueError, match=r"'x' at position 3"):
         tok.encode("Q:1x")
+    assert tok.decode([3, tok.vocab_size]) == tok.decode([3])
+    assert tok.decode([3, tok.vocab_size], skip_special_tokens=False).endswith(f"<unused:{tok.vocab_size}>")
     with pytest.raises(ValueError, match="out of range"):
-        tok.decode([3, tok.vocab_size])
+        tok.convert_ids_to_tokens(tok.vocab_size)
     with pytest.raises(ValueError, match="out of range"):
         tok.decode([-1])
     with pytest.raises(ValueError, match="1-D"):

@@ -33,6 +33,8 @@ def resolve_model_path(path_or_name: str | os.PathLike) -> Path:
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]
     path = Path(name)
+    if path.is_file():
+        raise CheckpointError(f"{path}: is a file; expected a model folder holding config.json and the weights")
     if not path.is_dir():
         raise CheckpointError(
             f"no model folder at {name!r} and no built-in model of that name (built-ins: {sorted(BUILTIN_MODELS)})"
@@ -47,6 +49,8 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: line {exc.lineno}, column {exc.colno}: invalid JSON ({exc.msg})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object at the top level")
     return data
@@ -108,6 +112,7 @@ def load_model(
     float32, 'auto' is the dtype recorded in config.json."""
     folder = resolve_model_path(path_or_name)
     config = load_config(folder)
+    target = parse_dtype(dtype, config)
     with torch.device("meta"):
         model = Transformer(config)
     tensors = read_tensors(folder)
@@ -126,7 +131,6 @@ def load_model(
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
             )
-    target = parse_dtype(dtype, config)
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: v.to(target) for k, v in tensors.items()}, strict=False, assign=True)
     model.to(dtype=target)

@@ -30,6 +30,23 @@ ARCHITECTURES = {
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: Any, name: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{source}: field {name!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _object(raw: dict[str, Any], name: str, source: str) -> dict[str, Any]:
+    value = raw.get(name) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: field {name!r} must be an object, got {value!r}")
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and switches of one Llama-family decoder."""
@@ -61,7 +78,7 @@ class ModelConfig:
             raise ConfigError(f"architecture {self.architecture!r} is not supported; expected one of {sorted(ARCHITECTURES)}")
         for name in _REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_positive_int(value):
                 raise ConfigError(f"field {name!r} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -99,6 +116,8 @@ class ModelConfig:
                     f"{sorted(by_type)}"
                 )
             archs = [by_type[model_type]]
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ConfigError(f"{source}: field 'architectures' must be a list of class names, got {archs!r}")
         arch = archs[0]
         if arch not in ARCHITECTURES:
             raise ConfigError(
@@ -107,13 +126,15 @@ class ModelConfig:
         for name in _REQUIRED:
             if name not in raw:
                 raise ConfigError(f"{source}: required field {name!r} is missing")
+            if not _is_positive_int(raw[name]):
+                raise ConfigError(f"{source}: field {name!r} must be a positive integer, got {raw[name]!r}")
         if raw.get("use_sliding_window"):
             raise ConfigError(f"{source}: field 'use_sliding_window' is true; sliding-window attention is not supported")
         heads = raw["num_attention_heads"]
-        rope = dict(raw.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
-        if "rope_scaling" in raw and raw["rope_scaling"]:
-            rope.update(raw["rope_scaling"])
+        rope = _object(raw, "rope_parameters", source)
+        theta = _number(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", source)
+        rope.update(_object(raw, "rope_scaling", source))
+        eps = _number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", source)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
         if rope_type != "default":
@@ -138,8 +159,8 @@ class ModelConfig:
                 num_key_value_heads=raw.get("num_key_value_heads") or heads,
                 head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
+                rms_norm_eps=eps,
+                rope_theta=theta,
                 rope_scaling=scaling,
                 qkv_bias=True if qwen2 else attention_bias,
                 o_bias=False if qwen2 else attention_bias,

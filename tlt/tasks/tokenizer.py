@@ -71,8 +71,9 @@ class CharTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of a 1-D sequence of ids (list, tuple, 1-D tensor or array); special tokens are
-        dropped when `skip_special_tokens`, else written by name (`<eos>`)."""
+        """Text of a 1-D sequence of ids (list, tuple, 1-D tensor or array); special tokens and ids past
+        the vocabulary (a model's padded embedding rows) are dropped when `skip_special_tokens`, else
+        written by name (`<eos>`, `<unused:30>`)."""
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         if isinstance(ids, int):
@@ -81,6 +82,12 @@ class CharTokenizer:
         for item in ids:
             if isinstance(item, (list, tuple)):
                 raise ValueError("decode expects a 1-D sequence of ids; use batch_decode for a batch")
+            if operator.index(item) >= self.vocab_size:
+                # Models pad their embedding past the tokenizer's vocabulary; a sampled padding id is
+                # not text. It is shown only when special tokens are.
+                if not skip_special_tokens:
+                    pieces.append(f"<unused:{item}>")
+                continue
             token = self.convert_ids_to_tokens(item)
             if not (skip_special_tokens and token in self.special_tokens):
                 pieces.append(token)

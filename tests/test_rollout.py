@@ -1,0 +1,227 @@
+"""The rollout engine against transformers and against exact distributions."""
+
+import math
+
+import pytest
+import torch
+
+import tlt
+from tlt.rollout.sampling import warp_logprobs
+
+
+@pytest.fixture
+def qwen2(hf_folder):
+    hf, folder = hf_folder("qwen2", seed=7)
+    return hf, tlt.load_model(folder)
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_greedy_equals_transformers_generate(qwen2):
+    hf, model = qwen2
+    prompts = prompts_of([5, 12, 9, 3, 17])
+    outs = tlt.RolloutEngine(model).generate(prompts, tlt.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    # transformers pads on the left for batched generation; run it batched as users would.
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=64, min_new_tokens=64, pad_token_id=0)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == ref[i, width:].tolist()
+        assert out.outputs[0].finish_reason == "length"
+
+
+def hf_warp(logits, temperature, top_k, top_p):
+    """The exact warped distribution, computed by transformers' own logits processors."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.clone()[None]
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores[0].log_softmax(-1)
+
+
+WARPS = [(0.7, -1, 1.0), (1.0, -1, 0.9), (1.0, 20, 1.0), (0.7, 20, 0.9)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", WARPS)
+def test_warping_matches_transformers(temperature, top_k, top_p):
+    logits = torch.randn(5, 97) * 3
+    ours = warp_logprobs(logits, torch.full((5,), temperature), torch.full((5,), top_k), torch.full((5,), top_p))
+    for r in range(5):
+        ref = hf_warp(logits[r], temperature, top_k, top_p)
+        kept = ref > float("-inf")
+        assert torch.equal(kept, ours[r] > float("-inf"))
+        assert (ours[r][kept] - ref[kept]).abs().max() <= 1e-5
+
+
+def test_logprobs_equal_full_forward_under_warping(qwen2):
+    _, model = qwen2
+    prompts = prompts_of([4, 11, 7])
+    params = tlt.SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=20, max_tokens=24, seed=3, ignore_eos=True)
+    outs = tlt.RolloutEngine(model).generate(prompts, params)
+    for p, out in zip(prompts, outs):
+        for c in out.outputs:
+            seq = torch.tensor([p + c.token_ids])
+            with torch.no_grad():
+                logits = model(seq).logits[0, len(p) - 1 : -1]  # [n, V]: position before each token
+            n = len(c.token_ids)
+            warped = warp_logprobs(logits, torch.full((n,), 0.7), torch.full((n,), 20), torch.full((n,), 0.9))
+            ref = warped.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (torch.tensor(c.logprobs) - ref).abs().max() <= 1e-4
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square against `probs`, merging cells expected below 5 into one."""
+    from scipy.stats import chisquare
+
+    n = int(counts.sum())
+    expected = probs.double() * n
+    assert int(counts[probs == 0].sum()) == 0, "a token with zero probability was sampled"
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] < 5:  # fold a still-tiny remainder into the smallest kept cell
+        obs[-2] += obs[-1]
+        exp[-2] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", WARPS)
+def test_first_token_distribution_is_exact(qwen2, temperature, top_k, top_p):
+    _, model = qwen2
+    prompt = prompts_of([6], seed=11)[0]
+    n = 20_000
+    engine = tlt.RolloutEngine(model, config=tlt.EngineConfig(max_batch_size=n))
+    params = tlt.SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=1, seed=5)
+    first = torch.tensor([c.token_ids[0] for c in engine.generate([prompt], params)[0].outputs])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    probs = hf_warp(logits, temperature, top_k, top_p).exp()
+    assert chi_square_pvalue(torch.bincount(first, minlength=97), probs) > 0.001
+    assert engine.stats()["prefill_tokens"] == len(prompt)  # 20k samples, one prefill
+
+
+def test_chi_square_detects_a_wrong_distribution(qwen2):
+    """Guards the test above: sampling at the wrong temperature must fail it."""
+    _, model = qwen2
+    prompt = prompts_of([6], seed=11)[0]
+    n = 20_000
+    engine = tlt.RolloutEngine(model, config=tlt.EngineConfig(max_batch_size=n))
+    params = tlt.SamplingParams(n=n, temperature=0.8, max_tokens=1, seed=5)
+    first = torch.tensor([c.token_ids[0] for c in engine.generate([prompt], params)[0].outputs])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    assert chi_square_pvalue(torch.bincount(first, minlength=97), hf_warp(logits, 0.7, -1, 1.0).exp()) < 1e-6
+
+
+def test_same_seed_same_output_whatever_shares_the_batch(qwen2):
+    _, model = qwen2
+    target = prompts_of([8], seed=2)[0]
+    params = tlt.SamplingParams(n=3, temperature=1.0, top_p=0.95, max_tokens=30, seed=1234, ignore_eos=True)
+    alone = tlt.RolloutEngine(model).generate([target], params)[0]
+    others = prompts_of([3, 15, 6, 10], seed=9)
+    mixed = tlt.RolloutEngine(model, config=tlt.EngineConfig(seed=99)).generate(
+        others[:2] + [target] + others[2:], [tlt.SamplingParams(n=2, max_tokens=40)] * 2 + [params]
+        + [tlt.SamplingParams(max_tokens=5)] * 2
+    )[2]
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in mixed.outputs]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) == 3  # the n samples differ from each other
+
+
+def test_stop_tokens_and_length_limits(qwen2):
+    _, model = qwen2
+    engine = tlt.RolloutEngine(model)
+    prompt = prompts_of([5])[0]
+    free = engine.generate([prompt], tlt.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    stop_at = free.token_ids[10]
+    first = free.token_ids.index(stop_at)
+    out = engine.generate([prompt], tlt.SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_at],
+                                                       ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    short = engine.generate([prompt], tlt.SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0].outputs[0]
+    assert short.token_ids == free.token_ids[:7] and short.finish_reason == "length"
+    # The model's own eos id (2 in the fixture config) stops generation unless ignore_eos.
+    out = engine.generate([prompt], tlt.SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[]))[0].outputs[0]
+    assert 2 not in out.token_ids[:-1]
+
+
+def test_context_limits_and_empty_input(qwen2):
+    _, model = qwen2
+    engine = tlt.RolloutEngine(model)
+    assert engine.generate([]) == []
+    with pytest.raises(tlt.ConfigError, match="prompt 1 has 256 tokens.*context"):
+        engine.generate([[5, 6], [7] * 256])
+    with pytest.raises(tlt.ConfigError, match="prompt 0 is empty"):
+        engine.generate([[]])
+    out = engine.generate([[5] * 250], tlt.SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_continuous_batching_respects_limits_and_changes_nothing(qwen2):
+    _, model = qwen2
+    prompts = prompts_of([4, 9, 6, 12, 5, 7])
+    params = [tlt.SamplingParams(n=2, max_tokens=m, seed=i, ignore_eos=True) for i, m in enumerate([30, 5, 12, 3, 20, 8])]
+    free = tlt.RolloutEngine(model).generate(prompts, params)
+    engine = tlt.RolloutEngine(model, config=tlt.EngineConfig(max_batch_size=4))
+    tight = engine.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in free] == [[c.token_ids for c in o.outputs] for o in tight]
+    sizes = engine.stats()["batch_sizes"]
+    assert max(sizes) <= 4 and sizes.count(4) > 1
+
+    budget = 2 * (12 + 30)  # one group of the largest request at a time
+    engine = tlt.RolloutEngine(model, config=tlt.EngineConfig(kv_budget_tokens=budget))
+    queued = engine.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in free] == [[c.token_ids for c in o.outputs] for o in queued]
+    with pytest.raises(tlt.ConfigError, match="needs .* KV tokens"):
+        tlt.RolloutEngine(model, config=tlt.EngineConfig(kv_budget_tokens=40)).generate(prompts, params)
+
+
+def test_batch_shrinks_as_sequences_finish(qwen2):
+    _, model = qwen2
+    lengths = [40, 3, 25, 8, 15]
+    engine = tlt.RolloutEngine(model)
+    engine.generate(prompts_of([5] * 5), [tlt.SamplingParams(max_tokens=m, ignore_eos=True) for m in lengths])
+    sizes = engine.stats()["batch_sizes"]
+    assert sizes[0] == 5 and sizes[-1] == 1 and all(a >= b for a, b in zip(sizes, sizes[1:]))
+    assert len(sizes) == max(lengths) - 1  # the first token comes from the prefill
+
+
+def test_hidden_states_come_from_the_decoding_forwards(qwen2):
+    _, model = qwen2
+    prompt = prompts_of([6])[0]
+    out = tlt.RolloutEngine(model).generate(
+        [prompt], tlt.SamplingParams(n=2, max_tokens=12, seed=0, return_hidden_states=True, ignore_eos=True)
+    )[0]
+    for c in out.outputs:
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + c.token_ids])).hidden_states[0]
+        assert c.hidden_states.shape == (12, 64)
+        assert (c.hidden_states - full[len(prompt) - 1 : -1]).abs().max() <= 1e-5
+
+
+def test_string_prompts_with_a_tokenizer(qwen2):
+    from tlt.tasks import CharTokenizer
+
+    _, model = qwen2
+    tok = CharTokenizer()
+    out = tlt.RolloutEngine(model, tok).generate(["Q:12+3\nA:"], tlt.SamplingParams(max_tokens=5, seed=0))[0]
+    assert out.prompt_token_ids == tok.encode("Q:12+3\nA:")
+    assert out.prompt == "Q:12+3\nA:" and isinstance(out.outputs[0].text, str)
+    with pytest.raises(tlt.ConfigError, match="no tokenizer"):
+        tlt.RolloutEngine(model).generate(["text"])
+
+
+def test_sampling_params_validation():
+    for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0)):
+        with pytest.raises(tlt.ConfigError, match=next(iter(bad))):
+            tlt.SamplingParams(**bad)
+    assert math.isclose(tlt.SamplingParams(top_p=0.5).top_p, 0.5)

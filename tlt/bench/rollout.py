@@ -1,0 +1,142 @@
+"""Rollout on the long-tail workload: tlt's engine against transformers' generate, side by side.
+
+The workload is one GRPO rollout of the default model on the built-in task: P prompts x G samples at
+temperature 1.0, each response running until its end-of-sequence token. Every system generates for the
+same prompts with the same sampling settings; runs alternate between systems so machine noise hits all
+of them, and each figure is the median of `--repeats` runs. Ratios are baseline time / system time
+(> 1 means faster than the baseline). A PNG shows the live batch size over time: transformers keeps
+finished rows in its batch to the end, tlt's batch shrinks as responses finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=640)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--json", help="write config, rows and ratios here")
+    parser.add_argument("--plot", default="runs/bench/rollout_live_batch.png")
+
+
+def workload(args, tokenizer):
+    from tlt.tasks import ArithmeticTask
+
+    problems = ArithmeticTask().sample(args.prompts, seed=args.seed, split="eval")
+    return [tokenizer.encode(p.prompt) for p in problems]
+
+
+def run_tlt(model, prompts, args, repeat: int) -> dict:
+    from tlt.rollout import RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(model)
+    params = [SamplingParams(n=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
+                             seed=repeat * 1000 + i) for i in range(len(prompts))]
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    lengths = [len(c.token_ids) for o in outputs for c in o.outputs]
+    stats = engine.stats()
+    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
+            "times": _cumulative(stats["step_times_s"]), "batch_sizes": stats["batch_sizes"]}
+
+
+def run_hf(hf_model, prompts, args, eos_id: int, pad_id: int, repeat: int) -> dict:
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = (ids != pad_id).long()
+    torch.manual_seed(repeat)
+    start = time.perf_counter()
+    out = hf_model.generate(
+        ids, attention_mask=mask, do_sample=args.temperature > 0, temperature=args.temperature or None,
+        top_k=0, top_p=1.0, max_new_tokens=args.max_tokens, num_return_sequences=args.samples,
+        eos_token_id=eos_id, pad_token_id=pad_id,
+    )
+    wall = time.perf_counter() - start
+    new = out[:, width:]
+    lengths = []
+    for row in new.tolist():
+        lengths.append(row.index(eos_id) + 1 if eos_id in row else len(row))
+    steps = new.shape[1]
+    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
+            "times": [wall * (i + 1) / steps for i in range(steps)], "batch_sizes": [new.shape[0]] * steps}
+
+
+def _cumulative(xs):
+    total, out = 0.0, []
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    wall = statistics.median(r["wall_s"] for r in runs)
+    tokens = statistics.median(r["tokens"] for r in runs)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+            "runs_wall_s": [r["wall_s"] for r in runs]}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tlt.model import load_model
+    from tlt.model.checkpoint import atomic_write_json, resolve_model_path
+    from tlt.plots import live_batch
+    from tlt.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = resolve_model_path(args.model)
+    model, tokenizer = load_model(folder), load_tokenizer(folder)
+    prompts = workload(args, tokenizer)
+    systems = {"tlt_off": lambda r: run_tlt(model, prompts, args, r)}
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        systems["hf"] = lambda r: run_hf(hf_model, prompts, args, tokenizer.eos_token_id, tokenizer.pad_token_id, r)
+    print(f"rollout bench: {args.prompts} prompts x {args.samples} samples, temperature {args.temperature}, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}", file=sys.stderr)
+    with torch.inference_mode():
+        for name, fn in systems.items():  # warm-up, not timed
+            fn(-1)
+        results = {name: [] for name in systems}
+        for r in range(args.repeats):
+            for name, fn in systems.items():
+                results[name].append(fn(r))
+                print(f"  run {r + 1}: {name:8s} {results[name][-1]['wall_s']:7.2f}s", file=sys.stderr)
+    rows = {name: summarize(runs) for name, runs in results.items()}
+    ratios = {}
+    if "hf" in rows:
+        ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
+    print(f"{'system':10s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s}")
+    for name, row in rows.items():
+        print(f"{name:10s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f}")
+    for k, v in ratios.items():
+        print(f"{k} = {v:.2f}")
+    lengths = sorted(results["tlt_off"][0]["lengths"])
+    print(f"response lengths (tlt run 1): median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
+    last = {name: (runs[-1]["times"], runs[-1]["batch_sizes"]) for name, runs in results.items()}
+    png = live_batch(last, args.plot, f"{args.prompts} prompts x {args.samples} samples, default model")
+    print(f"wrote {png}")
+    if args.json:
+        atomic_write_json(Path(args.json), {
+            "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios,
+        })
+    return 0

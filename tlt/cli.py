@@ -1,0 +1,48 @@
+"""The `tlt` command line: one subcommand per task, each implemented in the module that owns it.
+
+Subcommands register through `COMMANDS`: name -> (module path, help). The module provides
+`add_arguments(parser)` and `run(args) -> int`. Command modules keep heavy imports (torch,
+transformers, matplotlib) inside their functions, so building the parser stays fast and a broken
+optional dependency only affects its own command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tlt.errors import TltError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("tlt.demo", "run the embedded default end to end"),
+    "sft": ("tlt.sft", "train the default model by supervised fine-tuning on the built-in task"),
+    "eval": ("tlt.evaluate", "accuracy of a model on fresh problems of the built-in task"),
+    "bench": ("tlt.bench", "benchmarks: forward, rollout, speculative"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tlt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except TltError as exc:
+        print(f"tlt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tlt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Config plumbing shared by every component: typed dataclasses built from dicts, YAML files and
+`key=value` command-line overrides, rejecting unknown keys and ill-typed values with a message that
+names the source and the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tlt.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if origin in (tuple, list):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = typing.get_args(annotation)[0] if typing.get_args(annotation) else Any
+        out = [_coerce(v.strip() if isinstance(v, str) else v, inner, where) for v in items if v != ""]
+        return tuple(out) if origin is tuple else out
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if annotation in (int, float):
+        bad = ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        if isinstance(value, bool) or (annotation is int and isinstance(value, float) and not value.is_integer()):
+            raise bad
+        try:
+            return annotation(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if annotation is str:
+        return str(value)
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
+    """Build dataclass `cls` from `data`, coercing strings (from YAML or the command line)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {unknown} for {cls.__name__}; known: {sorted(fields)}")
+    kwargs = {k: _coerce(v, hints[k], f"{source}: field {k!r}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def parse_overrides(items: list[str], source: str = "command line") -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{source}: expected key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file is missing")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark else ""
+        raise ConfigError(f"{path}: {line}invalid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of field: value at the top level")
+    return data
+
+
+def build(cls: type[T], file: str | Path | None = None, overrides: list[str] = ()) -> T:
+    """`cls` from an optional YAML file, then `key=value` overrides on top."""
+    data = load_yaml(file) if file else {}
+    data.update(parse_overrides(list(overrides)))
+    return from_dict(cls, data, source=str(file) if file else "command line")
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

@@ -1,0 +1,48 @@
+"""The live batch: sequences being decoded, row-aligned with the KV cache and per-row tensors.
+
+Row b of every member describes the same sequence: `seqs[b]`, cache row b, `last_tokens[b]` (the most
+recent sampled token, not yet in the cache) and the sampling tensors. `select` and `extend` keep them
+aligned, so the engine never indexes one without the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tlt.model.kv_cache import KVCache
+from tlt.rollout.sequence import Sequence
+
+
+class LiveBatch:
+    def __init__(self, seqs: list[Sequence], cache: KVCache, last_tokens: torch.Tensor) -> None:
+        self.seqs, self.cache, self.last_tokens = seqs, cache, last_tokens
+        device = last_tokens.device
+        self.temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=device)
+        self.top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
+        self.top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
+        self.keys = torch.tensor([s.key for s in seqs], dtype=torch.long, device=device)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def counters(self) -> torch.Tensor:
+        """Tokens generated so far per row: the RNG counter of the next draw."""
+        return torch.tensor([len(s.tokens) for s in self.seqs], dtype=torch.long, device=self.keys.device)
+
+    @property
+    def wants_hidden(self) -> bool:
+        return any(s.params.return_hidden_states for s in self.seqs)
+
+    def select(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+        self.seqs = [self.seqs[r] for r in rows]
+        self.cache.select_rows(idx)
+        for name in ("last_tokens", "temperature", "top_k", "top_p", "keys"):
+            setattr(self, name, getattr(self, name)[idx])
+
+    def extend(self, other: "LiveBatch") -> None:
+        self.seqs = self.seqs + other.seqs
+        self.cache = KVCache.concat([self.cache, other.cache])
+        for name in ("last_tokens", "temperature", "top_k", "top_p", "keys"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))

@@ -1,0 +1,253 @@
+"""The rollout engine: batched generation whose batch shrinks as sequences finish.
+
+`generate(prompts, params)` queues every request and runs `step()` until all are done. A step is
+    admit -> prefill the admitted -> decode -> postprocess
+  - admit: the scheduler picks waiting groups that fit the batch and the KV budget (continuous
+    batching: requests join as soon as others leave);
+  - prefill: the admitted prompts run in one right-padded forward into a fresh KV cache, which is then
+    forked n times per group (n samples share one prefill) and joined to the live batch;
+  - decode: the decoder turns the live batch into new tokens per row (one for plain decoding, several
+    for speculative decoding), leaving the cache holding everything but each row's newest token;
+  - postprocess: tokens are appended up to a stop token or the length limit; finished sequences leave
+    the batch at once and their cache rows are freed.
+Randomness is counter-based per sequence (rng.py), so a request's output depends only on its seed
+and inputs, never on what else shares the batch. The live batch size of every step is recorded: it is
+the long-tail profile the adaptive engine and the benchmarks read.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+from tlt.errors import ConfigError
+from tlt.progress import Progress
+from tlt.rollout import rng
+from tlt.rollout.batch import LiveBatch
+from tlt.rollout.params import SamplingParams
+from tlt.rollout.sampling import sample_tokens
+from tlt.rollout.scheduler import Group, Scheduler
+from tlt.rollout.sequence import RequestOutput, Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_batch_size: live sequences at most; kv_budget_tokens: worst-case cached tokens at most
+    (None: unlimited); cache_block: KV cache capacity granularity; seed: draws seeds for requests
+    without one (None: fresh entropy); progress: None shows a bar when stderr is a terminal."""
+
+    max_batch_size: int = 256
+    kv_budget_tokens: int | None = None
+    cache_block: int = 64
+    seed: int | None = None
+    progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(f"EngineConfig field 'max_batch_size' must be >= 1, got {self.max_batch_size}")
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
+            raise ConfigError(f"EngineConfig field 'kv_budget_tokens' must be >= 1, got {self.kv_budget_tokens}")
+        if self.cache_block < 1:
+            raise ConfigError(f"EngineConfig field 'cache_block' must be >= 1, got {self.cache_block}")
+
+
+@dataclass
+class DecodeResult:
+    """Per live row: the new tokens, their log-probs and (when asked) the features that produced them."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    hidden: list[torch.Tensor] | None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    step_times: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    wall_time: float = 0.0
+
+    def as_dict(self) -> dict:
+        n = max(len(self.step_times), 1)
+        return {
+            "steps": self.steps,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "wall_time_s": self.wall_time,
+            "mean_step_time_s": sum(self.step_times) / n,
+            "tokens_per_s": self.decode_tokens / self.wall_time if self.wall_time else 0.0,
+            "step_times_s": list(self.step_times),
+            "batch_sizes": list(self.batch_sizes),
+        }
+
+
+class PlainDecoder:
+    """One target forward per step: feed each row's newest token, sample the next one."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def decode(self, batch: LiveBatch) -> DecodeResult:
+        out = self.model(batch.last_tokens[:, None], cache=batch.cache)
+        logits, hidden = out.logits[:, 0], out.hidden_states[:, 0]  # [B, V], [B, H]
+        u = rng.uniform(batch.keys, batch.counters)
+        tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
+        return DecodeResult(
+            [[t] for t in tokens.tolist()],
+            [[lp] for lp in logprobs.tolist()],
+            [h[None] for h in hidden] if batch.wants_hidden else None,
+        )
+
+
+class RolloutEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None) -> None:
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.config = config or EngineConfig()
+        self.scheduler = Scheduler(self.config.max_batch_size, self.config.kv_budget_tokens)
+        self.decoder = PlainDecoder(model)
+        self.batch: LiveBatch | None = None
+        self._stats = EngineStats()
+        self._seeds = random.Random(self.config.seed)
+        self._next_request = 0
+        self._finished: list[Sequence] = []
+        self.context_length = model.config.max_position_embeddings
+        eos = list(model.config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+
+    # --- public API --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[list[int] | str],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (token ids, or strings when a tokenizer was given)."""
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        groups = [self._make_group(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for g in groups:
+            self.scheduler.add(g)
+        total = sum(len(g.seqs) for g in groups)
+        enabled = self.config.progress if use_tqdm is None else use_tqdm
+        bar = Progress(total, "rollout", enabled)
+        start, self._finished = time.perf_counter(), []
+        with torch.inference_mode():
+            while self.scheduler.waiting or (self.batch is not None and len(self.batch)):
+                self.step()
+                bar.update(len(self._finished), f"live {len(self.batch) if self.batch else 0}")
+        bar.close()
+        self._stats.wall_time += time.perf_counter() - start
+        return [
+            RequestOutput(g.request_id, g.prompt, [s.completion(self.tokenizer) for s in g.seqs],
+                          prompts[i] if isinstance(prompts[i], str) else None)
+            for i, g in enumerate(groups)
+        ]
+
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self._stats = EngineStats()
+
+    # --- one step ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        start = time.perf_counter()
+        admitted = self.scheduler.admit(self.batch.seqs if self.batch else [])
+        if admitted:
+            self._prefill(admitted)
+        if self.batch is not None and len(self.batch):
+            self._stats.batch_sizes.append(len(self.batch))
+            result = self.decoder.decode(self.batch)
+            self._postprocess(result)
+        self._stats.steps += 1
+        self._stats.step_times.append(time.perf_counter() - start)
+
+    def _prefill(self, groups: list[Group]) -> None:
+        device = self.model.device
+        lengths = torch.tensor([len(g.prompt) for g in groups], device=device)
+        T = int(lengths.max())
+        ids = torch.zeros(len(groups), T, dtype=torch.long, device=device)
+        for i, g in enumerate(groups):
+            ids[i, : len(g.prompt)] = torch.tensor(g.prompt, device=device)
+        valid = torch.arange(T, device=device)[None] < lengths[:, None]  # [G, T]
+        cache = self.model.new_cache(len(groups), block=self.config.cache_block)
+        out = self.model(ids, attention_mask=valid, cache=cache, logit_index=(lengths - 1)[:, None])
+        rows = torch.arange(len(groups), device=device)
+        hidden = out.hidden_states[rows, lengths - 1]  # [G, H]
+        counts = torch.tensor([len(g.seqs) for g in groups], device=device)
+        cache.fork(counts)
+        logits = out.logits[:, 0].repeat_interleave(counts, 0)  # [N, V]
+        hidden = hidden.repeat_interleave(counts, 0)  # [N, H]
+        seqs = [s for g in groups for s in g.seqs]
+        fresh = LiveBatch(seqs, cache, torch.zeros(len(seqs), dtype=torch.long, device=device))
+        u = rng.uniform(fresh.keys, fresh.counters)
+        tokens, logprobs = sample_tokens(logits, fresh.temperature, fresh.top_k, fresh.top_p, u)
+        fresh.last_tokens = tokens
+        self._stats.prefill_tokens += int(lengths.sum())
+        first = DecodeResult([[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()],
+                             [h[None] for h in hidden] if fresh.wants_hidden else None)
+        if self.batch is None or not len(self.batch):
+            self.batch = fresh
+            self._postprocess(first)
+        else:
+            self._append(fresh, first)
+            self.batch.extend(fresh)
+            self._drop_finished()
+
+    def _postprocess(self, result: DecodeResult) -> None:
+        self._append(self.batch, result)
+        self._drop_finished()
+
+    def _append(self, batch: LiveBatch, result: DecodeResult) -> None:
+        for b, seq in enumerate(batch.seqs):
+            hidden = result.hidden[b] if result.hidden is not None else None
+            kept = seq.append(result.tokens[b], result.logprobs[b], hidden)
+            self._stats.decode_tokens += kept
+        batch.last_tokens = torch.tensor([r[-1] for r in result.tokens], dtype=torch.long,
+                                         device=batch.last_tokens.device)
+
+    def _drop_finished(self) -> None:
+        batch = self.batch
+        keep = [b for b, s in enumerate(batch.seqs) if s.finish_reason is None]
+        if len(keep) < len(batch):
+            self._finished += [s for s in batch.seqs if s.finish_reason is not None]
+            batch.select(keep)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def _make_group(self, i: int, prompt: list[int] | str, params: SamplingParams) -> Group:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError(f"prompt {i} is a string but the engine has no tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ConfigError(f"prompt {i} is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ConfigError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.context_length:
+            raise ConfigError(
+                f"prompt {i} has {len(prompt)} tokens; the model's context (max_position_embeddings) is "
+                f"{self.context_length}, leaving no room to generate"
+            )
+        request_id = self._next_request
+        self._next_request += 1
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        max_new = min(params.max_tokens, self.context_length - len(prompt))
+        seqs = [Sequence(request_id, j, prompt, params, rng.sequence_key(seed, j), stop, max_new)
+                for j in range(params.n)]
+        return Group(request_id, prompt, seqs)

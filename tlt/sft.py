@@ -1,0 +1,190 @@
+"""`tlt sft`: the recipe that trains the default model on the built-in task.
+
+The model is narrow but deep (8 layers by default) like real checkpoints, so that a one-layer drafter
+costs a small fraction of a target forward. It learns by next-token prediction on solutions written by
+`ArithmeticTask.solve` with a per-step `error_rate`: some solutions are deliberately imperfect, so the
+model makes arithmetic slips at a rate RL can then drive down. Training data is drawn with a flatter
+length law than evaluation (`train_zipf_exponent`) so the rare long problems are seen often enough.
+
+Examples are packed into rows of `row_tokens` tokens; position ids restart at 0 for each example, which
+the model turns into a block-diagonal causal mask (no attention across examples). Only solution tokens
+and the end-of-sequence token carry loss. The folder it writes is a Hugging Face checkpoint plus the
+character tokenizer and `recipe.json` (the exact config and command that reproduce it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tlt.config import build, to_dict
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    hidden_size: int = 192
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 48
+    intermediate_size: int = 512
+    vocab_size: int = 32
+    max_position_embeddings: int = 1024
+    steps: int = 1500
+    rows_per_step: int = 4
+    row_tokens: int = 768
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    error_rate: float = 0.03
+    train_zipf_exponent: float = 1.1
+    seed: int = 0
+    threads: int = 0
+    log_every: int = 50
+    save_every: int = 250
+
+    def __post_init__(self) -> None:
+        from tlt.errors import ConfigError
+
+        if not 0 <= self.error_rate < 1:
+            raise ConfigError(f"field 'error_rate' must be in [0, 1), got {self.error_rate}")
+        if self.steps <= 0 or self.rows_per_step <= 0 or self.row_tokens < 64:
+            raise ConfigError("fields 'steps' and 'rows_per_step' must be positive and 'row_tokens' >= 64")
+
+
+def model_config(c: SFTConfig, tokenizer):
+    from tlt.model import ModelConfig
+
+    if c.vocab_size < tokenizer.vocab_size:
+        from tlt.errors import ConfigError
+
+        raise ConfigError(f"field 'vocab_size' ({c.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size})")
+    return ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, qk_norm=True,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def example_stream(c: SFTConfig, tokenizer):
+    """Endless (tokens, loss_mask) examples: prompt tokens carry no loss, solution + eos do."""
+    from tlt.tasks import ArithmeticTask, TaskConfig
+
+    task = ArithmeticTask(TaskConfig(zipf_exponent=c.train_zipf_exponent))
+    rng = random.Random(c.seed)
+    chunk = 0
+    while True:
+        for p in task.sample(1024, seed=c.seed * 1_000_003 + chunk, split="train"):
+            prompt = tokenizer.encode(p.prompt)
+            solution = tokenizer.encode(task.solve(p.start, p.ops, c.error_rate, rng), add_special_tokens=False)
+            yield prompt + solution + [tokenizer.eos_token_id], [0] * len(prompt) + [1] * (len(solution) + 1)
+        chunk += 1
+
+
+def packed_batches(c: SFTConfig, tokenizer):
+    """Endless batches (input_ids, position_ids, loss_mask), each [rows_per_step, row_tokens]."""
+    import torch
+
+    stream = example_stream(c, tokenizer)
+    pending = next(stream)
+    while True:
+        ids, pos, mask = [], [], []
+        for _ in range(c.rows_per_step):
+            row_ids, row_pos, row_mask = [], [], []
+            while len(row_ids) + len(pending[0]) <= c.row_tokens:
+                tokens, loss = pending
+                row_ids += tokens
+                row_pos += range(len(tokens))
+                row_mask += loss
+                pending = next(stream)
+            if not row_ids:  # an example longer than a row is cut rather than stalling the stream
+                tokens, loss = pending
+                row_ids, row_pos, row_mask = tokens[: c.row_tokens], list(range(c.row_tokens)), loss[: c.row_tokens]
+                pending = next(stream)
+            pad = c.row_tokens - len(row_ids)
+            # Padding continues the last example's positions so it forms no new sequence; its loss is 0.
+            last = row_pos[-1]
+            ids.append(row_ids + [tokenizer.pad_token_id] * pad)
+            pos.append(row_pos + list(range(last + 1, last + 1 + pad)))
+            mask.append(row_mask + [0] * pad)
+        yield torch.tensor(ids), torch.tensor(pos), torch.tensor(mask)
+
+
+def lr_at(step: int, c: SFTConfig) -> float:
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / c.warmup_steps
+    progress = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
+    return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save(model, tokenizer, out: Path, c: SFTConfig, command: str, metrics: dict) -> None:
+    from tlt.model.checkpoint import atomic_write_json
+
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    atomic_write_json(out / "recipe.json", {"command": command, "config": to_dict(c), "metrics": metrics})
+
+
+def train_sft(c: SFTConfig, out: Path, command: str = "tlt sft", log=print):
+    import torch
+    import torch.nn.functional as F
+
+    from tlt.model import Transformer
+    from tlt.tasks import CharTokenizer
+
+    if c.threads:
+        torch.set_num_threads(c.threads)
+    torch.manual_seed(c.seed)
+    tokenizer = CharTokenizer()
+    model = Transformer(model_config(c, tokenizer)).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay}, {"params": other, "weight_decay": 0}],
+                            lr=c.lr, betas=(0.9, 0.95))
+    batches = packed_batches(c, tokenizer)
+    start, tokens_seen, metrics = time.time(), 0, {}
+    for step in range(c.steps):
+        ids, pos, mask = next(batches)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, c)
+        logits = model(ids, position_ids=pos).logits[:, :-1]  # [R, L-1, V]
+        target_mask = mask[:, 1:].bool()  # [R, L-1]: position t predicts token t+1
+        loss = F.cross_entropy(logits[target_mask], ids[:, 1:][target_mask])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+        opt.step()
+        tokens_seen += ids.numel()
+        if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+            elapsed = time.time() - start
+            metrics = {"step": step + 1, "loss": round(loss.item(), 4), "tokens": tokens_seen,
+                       "elapsed_s": round(elapsed, 1), "tokens_per_s": round(tokens_seen / elapsed)}
+            log(f"step {step + 1:5d}  loss {loss.item():.4f}  lr {lr_at(step, c):.2e}  "
+                f"{tokens_seen / elapsed:,.0f} tok/s  {elapsed:,.0f}s")
+        if (step + 1) % c.save_every == 0 or step + 1 == c.steps:
+            save(model.eval(), tokenizer, out, c, command, metrics)
+            model.train()
+    return model.eval(), tokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/sft", help="output model folder")
+    parser.add_argument("--config", help="YAML file of SFTConfig fields")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="SFTConfig fields")
+
+
+def run(args: argparse.Namespace) -> int:
+    c = build(SFTConfig, args.config, args.overrides)
+    command = "tlt sft " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["sft"] else "tlt sft"
+    train_sft(c, Path(args.out), command=command)
+    print(f"wrote {args.out}")
+    return 0
