@@ -3,11 +3,23 @@
 import json
 import math
 
+import pytest
+import torch
+
 from tlt.bench import forward
 from tlt.model.checkpoint import atomic_write_json
 
 
-def test_measure_fills_the_documented_record(hf_folder, tmp_path):
+@pytest.fixture
+def one_thread():
+    """Tiny ops on a shared machine run fastest, and steadiest, on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_measure_fills_the_documented_record(hf_folder, tmp_path, one_thread):
     _, folder = hf_folder("qwen3")
     record = forward.measure(folder, batch_sizes=[1, 2], prompt_len=8, repeats=1, command=["tlt", "bench", "forward"])
     atomic_write_json(tmp_path / "bench.json", record)

@@ -208,3 +208,27 @@ def test_cache_memory_follows_live_tokens(tiny_model):
     cache.rollback(5)
     cache.shrink()
     assert cache.capacity == 16
+
+
+def test_tree_mask_over_trailing_cached_tokens(tiny_model):
+    """A tree written level by level (each level cached before the next) equals the one-shot tree."""
+    model = tiny_model()
+    prefix = torch.randint(0, 61, (2, 6))
+    parents = [-1, -1, 0, 0, 1, 2, 2, 4]  # levels: {0,1}, {2,3,4}, {5,6,7}
+    levels = [[0, 1], [2, 3, 4], [5, 6, 7]]
+    tokens = torch.randint(0, 61, (2, 8))
+    anc = ancestors(parents)
+    depth = torch.tensor([len(path_to(parents, i)) for i in range(8)])
+    with torch.no_grad():
+        cache = model.new_cache(2)
+        model(prefix, cache=cache)
+        whole = model(tokens, position_ids=5 + depth.expand(2, 8), tree_mask=anc, cache=cache).logits
+        cache.rollback(6)
+        written = []
+        for level in levels:
+            cols = written + level
+            mask = anc[level][:, cols]  # [T, D + T]
+            out = model(tokens[:, level], position_ids=5 + depth[level].expand(2, len(level)), tree_mask=mask,
+                        cache=cache).logits
+            assert (out - whole[:, level]).abs().max() <= 1e-5
+            written = cols

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("tlt.sft", "train the default model by supervised fine-tuning on the built-in task"),
     "eval": ("tlt.evaluate", "accuracy of a model on fresh problems of the built-in task"),
     "bench": ("tlt.bench", "benchmarks: forward, rollout, speculative"),
+    "train-drafter": ("tlt.speculative.train", "train an EAGLE drafter offline on the target's own generations"),
 }
 
 

@@ -29,6 +29,10 @@ RANDOM_MODEL = dict(
     intermediate_size=512, vocab_size=32, max_position_embeddings=4096,
 )
 
+# The four timed steps of one repeat; odd repeats run them in ORDER, even ones (the warm-up too) SWAPPED.
+ORDER = ("tlt_prefill", "hf_prefill", "tlt_decode", "hf_decode")
+SWAPPED = ("hf_prefill", "tlt_prefill", "hf_decode", "tlt_decode")
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -69,10 +73,6 @@ def random_model_folder(directory: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(Qwen3Config(**RANDOM_MODEL, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     model.save_pretrained(directory)
     return Path(directory)
-
-
-ORDER = ("tlt_prefill", "hf_prefill", "tlt_decode", "hf_decode")
-SWAPPED = ("hf_prefill", "tlt_prefill", "hf_decode", "tlt_decode")
 
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, Any]:
@@ -224,8 +224,9 @@ def run(args: argparse.Namespace) -> int:
     record["config"]["model"] = label
     c = record["config"]
     print(f"model {c['model']} ({c['architecture']}, {c['parameters']:,} parameters), prompt {c['prompt_len']} tokens, "
-          f"{c['dtype']} on {c['device']}, {c['threads']} threads, median of {c['repeats']} (ratio > 1: tlt faster)")
+          f"{c['dtype']} on {c['device']}, threads={c['threads']}, median of {c['repeats']} repeats")
     print(format_table(record["rows"]))
+    print("ratio: hf time / tlt time, median of the per-repeat pairs (> 1: tlt faster)")
     worst = max(row["prefill_max_abs_logit_diff"] for row in record["rows"])
     print(f"max |logit difference| tlt vs transformers on the prefills: {worst:.2e}")
     if args.json is not None:

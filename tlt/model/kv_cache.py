@@ -2,7 +2,7 @@
 
 Layout: for each layer, one key and one value tensor of shape [B, H_kv, C, D]. Row b holds its
 `lengths[b]` cached tokens left-aligned in slots 0 .. lengths[b]-1, in sequence order; slots past a row's
-length are garbage and never attended. Rows may have different lengths. C, the capacity, is a multiple
+length hold stale but finite values and are never attended. Rows may have different lengths. C, the capacity, is a multiple
 of `block` and follows the live tokens: it grows when a write would overflow and shrinks when the
 longest rows leave, so memory is proportional to max(lengths) x live rows.
 
@@ -49,7 +49,9 @@ class KVCache:
         return cls(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, **kwargs)
 
     def _empty(self, batch: int, capacity: int) -> torch.Tensor:
-        return torch.empty(batch, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+        # Zeros, not uninitialised memory: attention multiplies masked slots' values by a weight of 0,
+        # and 0 x NaN garbage would still poison the output.
+        return torch.zeros(batch, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
 
     def _like(self, lengths: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "KVCache":
         out = object.__new__(KVCache)

@@ -10,8 +10,9 @@ load and save without a name map.
     tokens (left or right padding); explicit `position_ids` where a 0 starts a new sequence give packed
     rows with no attention across sequence boundaries.
   - cached (`cache` given): `input_ids` [B, T] are new tokens appended after each row's cached ones;
-    they attend to the whole cache plus, among themselves, what `tree_mask` [T, T] or [B, T, T] allows
-    (causal when None: a tree draft passes its ancestor matrix). `attention_mask` [B, T] marks real new
+    they attend to the cache plus, among themselves, what `tree_mask` [T, T] or [B, T, T] allows
+    (causal when None: a tree draft passes its ancestor matrix). A `tree_mask` of width D + T also
+    masks the last D cached tokens (a drafter expanding a tree level by level). `attention_mask` [B, T] marks real new
     tokens, right-padded (a batch of prompts of different lengths prefilled at once).
 Both return `ModelOutput`: logits (optionally only at `logit_index`), the last-layer hidden states after
 the final norm (the feature f of EAGLE drafters: lm_head(f) gives the logits) and, on request, the outputs
@@ -126,15 +127,19 @@ def training_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tenso
 
 def cached_mask(lengths: torch.Tensor, tree: torch.Tensor, valid: torch.Tensor, S: int) -> torch.Tensor:
     """Boolean mask [B, 1, T, S] for T new tokens after `lengths` [B] cached ones, keys in slots 0..S-1.
-    tree: [B, T, T] allowed pairs among new tokens; valid: [B, T] real (unpadded) new tokens."""
+    tree: [B, T, D + T], what each new token may see among the last D cached tokens of its row (draft
+    tokens written by earlier steps of a tree expansion) and the T new ones; all earlier cached tokens
+    are visible. valid: [B, T] real (unpadded) new tokens."""
     B, T = valid.shape
-    rel = torch.arange(S, device=lengths.device)[None, :] - lengths[:, None]  # [B, S] slot - base
-    in_new = (rel >= 0) & (rel < T)  # [B, S]
-    idx = rel.clamp(0, T - 1)  # [B, S]
-    among_new = torch.gather(tree, 2, idx[:, None, :].expand(B, T, S))  # [B, T, S]
-    among_new = among_new & torch.gather(valid, 1, idx)[:, None, :] & in_new[:, None, :]
-    itself = rel[:, None, :] == torch.arange(T, device=lengths.device)[None, :, None]  # [B, T, S]
-    return ((rel < 0)[:, None, :] | among_new | itself)[:, None]
+    D = tree.shape[-1] - T
+    rel = torch.arange(S, device=lengths.device)[None, :] - (lengths - D)[:, None]  # [B, S] slot - draft start
+    in_tree = (rel >= 0) & (rel < D + T)  # [B, S]
+    idx = rel.clamp(0, D + T - 1)  # [B, S]
+    seen = torch.gather(tree, 2, idx[:, None, :].expand(B, T, S))  # [B, T, S]
+    key_valid = torch.cat([torch.ones(B, D, dtype=torch.bool, device=valid.device), valid], 1)  # [B, D + T]
+    seen = seen & torch.gather(key_valid, 1, idx)[:, None, :] & in_tree[:, None, :]
+    itself = rel[:, None, :] == (D + torch.arange(T, device=lengths.device))[None, :, None]  # [B, T, S]
+    return ((rel < 0)[:, None, :] | seen | itself)[:, None]
 
 
 class Transformer(nn.Module):
@@ -201,7 +206,7 @@ class Transformer(nn.Module):
                 tree = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             else:
                 tree = tree_mask.bool()
-            tree = tree.expand(B, T, T) if tree.dim() == 2 else tree
+            tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
             base = cache.lengths
             position_ids_used = base[:, None] + torch.arange(T, device=device) if position_ids is None else position_ids
             mask = cached_mask(base, tree, valid, cache.max_length + T)

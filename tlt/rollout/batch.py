@@ -1,7 +1,8 @@
 """The live batch: sequences being decoded, row-aligned with the KV cache and per-row tensors.
 
 Row b of every member describes the same sequence: `seqs[b]`, cache row b, `last_tokens[b]` (the most
-recent sampled token, not yet in the cache) and the sampling tensors. `select` and `extend` keep them
+recent sampled token, not yet in the cache), the sampling tensors and, under speculative decoding, row
+b of the drafter's state. `select` and `extend` keep them
 aligned, so the engine never indexes one without the others.
 """
 
@@ -21,6 +22,7 @@ class LiveBatch:
         self.top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
         self.top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
         self.keys = torch.tensor([s.key for s in seqs], dtype=torch.long, device=device)
+        self.draft = None  # the speculative decoder's per-row DraftState, when it keeps one
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -40,9 +42,13 @@ class LiveBatch:
         self.cache.select_rows(idx)
         for name in ("last_tokens", "temperature", "top_k", "top_p", "keys"):
             setattr(self, name, getattr(self, name)[idx])
+        if self.draft is not None:
+            self.draft.select(idx)
 
     def extend(self, other: "LiveBatch") -> None:
         self.seqs = self.seqs + other.seqs
         self.cache = KVCache.concat([self.cache, other.cache])
         for name in ("last_tokens", "temperature", "top_k", "top_p", "keys"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        if self.draft is not None:
+            self.draft.extend(other.draft)

@@ -38,15 +38,23 @@ from tlt.rollout.sequence import RequestOutput, Sequence
 class EngineConfig:
     """max_batch_size: live sequences at most; kv_budget_tokens: worst-case cached tokens at most
     (None: unlimited); cache_block: KV cache capacity granularity; seed: draws seeds for requests
-    without one (None: fresh entropy); progress: None shows a bar when stderr is a terminal."""
+    without one (None: fresh entropy); progress: None shows a bar when stderr is a terminal.
+    speculative: "off", "on" (every step uses `strategy`, a Strategy or its name such as
+    "tree-d6-k4-v24") or "adaptive"; drafter: a Drafter, a drafter folder or "default" (needed by
+    chain and tree strategies)."""
 
     max_batch_size: int = 256
     kv_budget_tokens: int | None = None
     cache_block: int = 64
     seed: int | None = None
     progress: bool | None = None
+    speculative: str = "off"
+    strategy: object | None = None
+    drafter: object | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative not in ("off", "on", "adaptive"):
+            raise ConfigError(f"EngineConfig field 'speculative' must be off, on or adaptive, got {self.speculative!r}")
         if self.max_batch_size < 1:
             raise ConfigError(f"EngineConfig field 'max_batch_size' must be >= 1, got {self.max_batch_size}")
         if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
@@ -110,7 +118,7 @@ class RolloutEngine:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config.max_batch_size, self.config.kv_budget_tokens)
-        self.decoder = PlainDecoder(model)
+        self.decoder = self._make_decoder()
         self.batch: LiveBatch | None = None
         self._stats = EngineStats()
         self._seeds = random.Random(self.config.seed)
@@ -121,6 +129,21 @@ class RolloutEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+
+    def _make_decoder(self):
+        if self.config.speculative == "off":
+            return PlainDecoder(self.model)
+        from tlt.speculative import Drafter, SpeculativeDecoder, Strategy
+
+        strategy = self.config.strategy or Strategy()
+        if isinstance(strategy, str):
+            strategy = Strategy.parse(strategy)
+        drafter = self.config.drafter
+        if drafter is not None and not isinstance(drafter, Drafter):
+            drafter = Drafter.load(drafter, self.model)
+        if self.config.speculative == "adaptive":
+            raise ConfigError("speculative='adaptive' is not available yet; use 'on' with a fixed strategy")
+        return SpeculativeDecoder(self.model, drafter, strategy)
 
     # --- public API --------------------------------------------------------------------------------
     def generate(
@@ -184,7 +207,8 @@ class RolloutEngine:
             ids[i, : len(g.prompt)] = torch.tensor(g.prompt, device=device)
         valid = torch.arange(T, device=device)[None] < lengths[:, None]  # [G, T]
         cache = self.model.new_cache(len(groups), block=self.config.cache_block)
-        out = self.model(ids, attention_mask=valid, cache=cache, logit_index=(lengths - 1)[:, None])
+        out = self.model(ids, attention_mask=valid, cache=cache, logit_index=(lengths - 1)[:, None],
+                         output_layers=getattr(self.decoder, "output_layers", ()))
         rows = torch.arange(len(groups), device=device)
         hidden = out.hidden_states[rows, lengths - 1]  # [G, H]
         counts = torch.tensor([len(g.seqs) for g in groups], device=device)
@@ -196,6 +220,8 @@ class RolloutEngine:
         u = rng.uniform(fresh.keys, fresh.counters)
         tokens, logprobs = sample_tokens(logits, fresh.temperature, fresh.top_k, fresh.top_p, u)
         fresh.last_tokens = tokens
+        if hasattr(self.decoder, "prefill"):
+            self.decoder.prefill(fresh, ids, lengths, out, counts)
         self._stats.prefill_tokens += int(lengths.sum())
         first = DecodeResult([[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()],
                              [h[None] for h in hidden] if fresh.wants_hidden else None)
@@ -248,6 +274,11 @@ class RolloutEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         max_new = min(params.max_tokens, self.context_length - len(prompt))
-        seqs = [Sequence(request_id, j, prompt, params, rng.sequence_key(seed, j), stop, max_new)
+        ngram = None
+        if self.config.speculative != "off":
+            from tlt.speculative.ngram import NgramIndex
+
+            ngram = NgramIndex(prompt)
+        seqs = [Sequence(request_id, j, prompt, params, rng.sequence_key(seed, j), stop, max_new, ngram=ngram)
                 for j in range(params.n)]
         return Group(request_id, prompt, seqs)

@@ -44,6 +44,14 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
+    ngram: object | None = None  # the group's NgramIndex, when the engine drafts from n-grams
+    history: list[int] = field(default_factory=list)  # prompt + tokens, kept only with `ngram`
+    spec_steps: int = 0  # speculative verification steps this sequence took part in
+    spec_tokens: int = 0  # tokens those steps emitted (acceptance length = spec_tokens / spec_steps)
+
+    def __post_init__(self) -> None:
+        if self.ngram is not None:
+            self.history = self.prompt + self.tokens
 
     @property
     def length(self) -> int:
@@ -64,6 +72,10 @@ class Sequence:
                 break
         if hidden is not None and self.params.return_hidden_states:
             self.hidden.append(hidden[:kept])
+        if self.ngram is not None:
+            old = len(self.history)
+            self.history += self.tokens[len(self.tokens) - kept :]
+            self.ngram.add(self.history, old)
         return kept
 
     def completion(self, tokenizer=None) -> Completion:

@@ -1,0 +1,187 @@
+"""Speculative decoding inside the rollout engine.
+
+A step is draft -> verify -> commit:
+  - draft: the strategy proposes a token tree per live row (speculative/tree.py: the learned drafter's
+    EAGLE-2 tree or chain; speculative/ngram.py: suffix matches);
+  - verify: one target forward over root + draft with the tree's ancestor mask, at positions
+    n + depth; verify.walk (trees, n-gram chains) or verify.speculative_sample_chain (sampled chains)
+    picks the accepted path and one more token, exactly from the target's distribution;
+  - commit: the target cache keeps only the accepted path (KVCache.compact); the accepted tokens'
+    log-probs and features come from the verification forward.
+
+The drafter's own state follows the accepted tokens in `DraftState`: its KV cache holds the pairs
+(f[t], x[t+1]) it has consumed; pairs produced since (by prefill, verification or plain steps) wait in
+`pending` and are consumed by the next draft's first drafter forward. So a batch can switch from plain
+decoding to speculation at any step without re-running the target: the features were computed anyway.
+Strategy "off" is plain decoding that still feeds `pending`, the arm the adaptive tuner can pick.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tlt.rollout import rng
+from tlt.rollout.engine import DecodeResult
+from tlt.rollout.sampling import sample_tokens, warp_logprobs
+from tlt.speculative.strategy import Strategy
+from tlt.speculative.tree import chain_draft, expand
+from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
+
+
+class DraftState:
+    """Per live row: the drafter's KV cache and the target-feature pairs it has not consumed yet."""
+
+    def __init__(self, cache, pending: list[tuple[torch.Tensor, list[int], int]]) -> None:
+        self.cache = cache
+        self.pending = pending  # row -> (features [m, H], tokens [m], position of the first pair)
+
+    def add(self, row: int, features: torch.Tensor, tokens: list[int], position: int) -> None:
+        feats, toks, start = self.pending[row]
+        if not toks:
+            self.pending[row] = (features, list(tokens), position)
+        else:
+            self.pending[row] = (torch.cat([feats, features]), toks + list(tokens), start)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select_rows(rows)
+        self.pending = [self.pending[r] for r in rows.tolist()]
+
+    def extend(self, other: "DraftState") -> None:
+        from tlt.model.kv_cache import KVCache
+
+        self.cache = KVCache.concat([self.cache, other.cache])
+        self.pending = self.pending + other.pending
+
+    def take(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded pending pairs (features [B, M, H], tokens [B, M], positions [B, M], valid [B, M]),
+        plus each row's count [B]; pending is emptied."""
+        counts = torch.tensor([len(t) for _, t, _ in self.pending], device=device)
+        M = int(counts.max())
+        H = self.pending[0][0].shape[-1]
+        B = len(self.pending)
+        feats = torch.zeros(B, M, H, dtype=self.pending[0][0].dtype, device=device)
+        tokens = torch.zeros(B, M, dtype=torch.long, device=device)
+        starts = torch.tensor([s for _, _, s in self.pending], device=device)
+        for b, (f, t, _) in enumerate(self.pending):
+            feats[b, : len(t)] = f
+            tokens[b, : len(t)] = torch.tensor(t, device=device)
+        positions = starts[:, None] + torch.arange(M, device=device)
+        valid = torch.arange(M, device=device)[None] < counts[:, None]
+        self.pending = [(feats[b, :0], [], 0) for b in range(B)]
+        return feats, tokens, positions, valid, counts
+
+
+class SpeculativeDecoder:
+    def __init__(self, model, drafter=None, strategy: Strategy | None = None) -> None:
+        self.model, self.drafter = model, drafter
+        self.strategy = strategy or Strategy()
+        if self.strategy.uses_drafter and drafter is None:
+            raise ValueError(f"strategy {self.strategy.name} needs a drafter")
+        self.output_layers = tuple(drafter.output_layers) if drafter is not None else ()
+        self.acceptance: list[float] = []  # mean accepted length per speculative step
+        self.step_strategy: list[str] = []
+
+    # --- engine hooks ------------------------------------------------------------------------------
+    def prefill(self, batch, ids: torch.Tensor, lengths: torch.Tensor, out, counts: torch.Tensor) -> None:
+        """Give freshly prefilled rows their draft state: the prompt pairs are consumed once per group
+        (then the drafter cache is forked like the target's); the pair of each sample's first token
+        waits in pending."""
+        if self.drafter is None:
+            return
+        feats = self.drafter.target_features(out.hidden_states, out.layer_states)  # [G, T, H]
+        G, T = ids.shape
+        cache = self.drafter.new_cache(G, block=batch.cache.block)
+        if T > 1:
+            valid = torch.arange(T - 1, device=ids.device)[None] < (lengths - 1)[:, None]  # [G, T-1]
+            positions = torch.arange(T - 1, device=ids.device).expand(G, T - 1)
+            self.drafter(ids[:, 1:], feats[:, :-1], positions, cache=cache, attention_mask=valid)
+        cache.fork(counts)
+        rows = torch.arange(G, device=ids.device)
+        last = feats[rows, lengths - 1].repeat_interleave(counts, 0)  # [N, H]
+        pos = (lengths - 1).repeat_interleave(counts, 0).tolist()
+        first = batch.last_tokens.tolist()
+        batch.draft = DraftState(cache, [(last[b : b + 1], [first[b]], pos[b]) for b in range(len(first))])
+
+    def decode(self, batch, strategy: Strategy | None = None) -> DecodeResult:
+        strategy = strategy or self.strategy
+        self.step_strategy.append(strategy.name)
+        if strategy.kind == "off":
+            return self._plain(batch)
+        if strategy.kind == "ngram":
+            proposals = [s.ngram.propose(s.history, strategy.depth) for s in batch.seqs]
+            draft = chain_draft(batch.last_tokens, proposals)
+        else:
+            f0, logits0 = self._catch_up(batch)
+            draft = expand(self.drafter, batch.draft.cache, f0, logits0, batch.cache.lengths, strategy, batch)
+        return self._verify(batch, draft)
+
+    # --- steps -------------------------------------------------------------------------------------
+    def _plain(self, batch) -> DecodeResult:
+        base = batch.cache.lengths.clone()
+        out = self.model(batch.last_tokens[:, None], cache=batch.cache, output_layers=self.output_layers)
+        logits, hidden = out.logits[:, 0], out.hidden_states[:, 0]  # [B, V], [B, H]
+        u = rng.uniform(batch.keys, batch.counters)
+        tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
+        toks = [[t] for t in tokens.tolist()]
+        self._feed(batch, out, [[0]] * len(toks), toks, base)
+        return DecodeResult(toks, [[lp] for lp in logprobs.tolist()], [h[None] for h in hidden])
+
+    def _catch_up(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume pending pairs; return the drafter's feature and logits after each row's last pair."""
+        feats, tokens, positions, valid, counts = batch.draft.take(batch.keys.device)
+        f_hat, logits = self.drafter(tokens, feats, positions, cache=batch.draft.cache, attention_mask=valid)
+        rows = torch.arange(len(counts), device=counts.device)
+        return f_hat[rows, counts - 1], logits[rows, counts - 1]
+
+    def _verify(self, batch, draft) -> DecodeResult:
+        base = batch.cache.lengths.clone()  # [B] the root's position
+        positions = base[:, None] + draft.depth  # [B, N]
+        mask = None if bool(draft.valid.all()) else draft.valid
+        out = self.model(draft.tokens, attention_mask=mask, position_ids=positions, cache=batch.cache,
+                         tree_mask=draft.ancestors, output_layers=self.output_layers)
+        counters = batch.counters
+        if draft.q is None:
+            visited, emitted, logprobs = walk(out.logits, draft.tokens, draft.parents, batch, counters)
+        else:
+            visited, emitted, logprobs = self._verify_chain(out.logits, draft, batch, counters)
+        K = max(len(v) for v in visited)
+        keep = torch.tensor([v + [0] * (K - len(v)) for v in visited], device=base.device)
+        batch.cache.compact(base, keep, torch.tensor([len(v) for v in visited], device=base.device))
+        self._feed(batch, out, visited, emitted, base)
+        self.acceptance.append(sum(len(e) for e in emitted) / len(emitted))
+        for seq, e in zip(batch.seqs, emitted):
+            seq.spec_steps += 1
+            seq.spec_tokens += len(e)
+        rows = range(len(visited))
+        hidden = [out.hidden_states[b, visited[b]] for b in rows]
+        return DecodeResult(emitted, logprobs, hidden)
+
+    def _verify_chain(self, logits, draft, batch, counters):
+        B, N, V = logits.shape
+        k = N - 1
+        flat = logits.reshape(B * N, V)
+        per_node = [t.repeat_interleave(N, 0) for t in (batch.temperature, batch.top_k, batch.top_p)]
+        lp = warp_logprobs(flat, *per_node).view(B, N, V)  # [B, k+1, V] warped target log-probs
+        greedy = batch.temperature <= 0
+        p = torch.where(greedy[:, None, None], one_hot_logprobs(logits), lp).exp()  # [B, k+1, V]
+        drafts = draft.tokens[:, 1:]  # [B, k]
+        q = torch.where(greedy[:, None, None], torch.nn.functional.one_hot(drafts, V).float(), draft.q)
+        u_accept = torch.stack([rng.uniform(batch.keys, counters + i, stream=1) for i in range(k)], 1)
+        count, final = speculative_sample_chain(p, q, drafts, u_accept, rng.uniform(batch.keys, counters, stream=2))
+        visited, emitted, logprobs = [], [], []
+        for b, (c, f) in enumerate(zip(count.tolist(), final.tolist())):
+            toks = drafts[b, :c].tolist() + [f]
+            visited.append(list(range(c + 1)))
+            emitted.append(toks)
+            logprobs.append(lp[b, torch.arange(c + 1), torch.tensor(toks)].tolist())
+        return visited, emitted, logprobs
+
+    def _feed(self, batch, out, visited, emitted, base) -> None:
+        """Queue the new (feature, token) pairs for the drafter: the feature at each visited node
+        produced the token emitted after it."""
+        if self.drafter is None:
+            return
+        feats = self.drafter.target_features(out.hidden_states, out.layer_states)  # [B, N, H]
+        for b, (v, e) in enumerate(zip(visited, emitted)):
+            batch.draft.add(b, feats[b, v], e, int(base[b]))
+

@@ -1,0 +1,186 @@
+"""The EAGLE-style drafter: one decoder layer on top of the target's own features.
+
+At position t it reads the pair (f[t], x[t+1]), the target's feature at t and the token after it:
+
+    h = fc(concat(embed(x[t+1]), f[t]))      2H -> H
+    f_hat[t+1] = norm(decoder_layer(h))      one Llama decoder layer with its own KV cache
+    q(x[t+2]) = softmax(lm_head(f_hat[t+1]))
+
+and f_hat[t+1] stands in for f[t+1] when drafting further ahead. The embedding and LM head are the
+target's, referenced (never copied) and frozen; only fc, the layer and the output norm train. f is the
+target's last-layer feature after its final norm, so lm_head(f) are the target's logits. With
+`feature_layers` (EAGLE-3 style) the target feature is instead a learned fusion of the outputs of
+several target layers (low, mid, high): fuse(concat(...)) kH -> H; the drafter's own outputs feed
+deeper draft steps unchanged.
+
+A drafter maps pairs at positions t to (f_hat[t+1], logits); the KV cache of its layer follows the
+accepted tokens exactly as the target's does (see speculative/decoder.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt.errors import CheckpointError
+from tlt.model.kv_cache import KVCache
+from tlt.model.rope import rope_tables
+from tlt.model.transformer import DecoderLayer, RMSNorm, Transformer, cached_mask, training_mask
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    target_architecture: str
+    hidden_size: int
+    vocab_size: int
+    target_layers: int
+    feature_layers: tuple[int, ...] | None = None
+    target_name: str | None = None
+
+    @classmethod
+    def for_target(cls, target: Transformer, feature_layers=None, target_name=None) -> "DrafterConfig":
+        c = target.config
+        return cls(c.architecture, c.hidden_size, c.vocab_size, c.num_hidden_layers,
+                   tuple(feature_layers) if feature_layers else None, target_name)
+
+    def check_target(self, target: Transformer, where: str) -> None:
+        c = target.config
+        for name, mine, theirs in (("target_architecture", self.target_architecture, c.architecture),
+                                   ("hidden_size", self.hidden_size, c.hidden_size),
+                                   ("vocab_size", self.vocab_size, c.vocab_size),
+                                   ("target_layers", self.target_layers, c.num_hidden_layers)):
+            if mine != theirs:
+                raise CheckpointError(f"{where}: field {name!r} is {mine!r} but the target model has {theirs!r}")
+
+
+class Drafter(nn.Module):
+    def __init__(self, target: Transformer, config: DrafterConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or DrafterConfig.for_target(target)
+        H = target.config.hidden_size
+        # The target is held outside the module tree: its weights are neither trained nor saved here.
+        self.__dict__["target"] = target
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layer = DecoderLayer(target.config)
+        self.norm = RMSNorm(H, target.config.rms_norm_eps)
+        if self.config.feature_layers:
+            self.fuse = nn.Linear(len(self.config.feature_layers) * H, H, bias=False)
+        self.to(device=target.device, dtype=target.dtype)
+
+    @classmethod
+    def from_target(cls, target: Transformer, feature_layers=None, seed: int | None = None) -> "Drafter":
+        """A randomly initialised drafter for `target`."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        drafter = cls(target, DrafterConfig.for_target(target, feature_layers))
+        for m in drafter.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        return drafter
+
+    def new_cache(self, batch_size: int, **kwargs) -> KVCache:
+        c = self.target.config
+        kwargs.setdefault("dtype", self.fc.weight.dtype)
+        kwargs.setdefault("device", self.fc.weight.device)
+        return KVCache(1, batch_size, c.num_key_value_heads, c.head_dim, **kwargs)
+
+    @property
+    def output_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the drafter reads (empty: the last-layer feature only)."""
+        return self.config.feature_layers or ()
+
+    def target_features(self, hidden: torch.Tensor, layer_states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The drafter's view f of a target forward's features: [..., H]."""
+        if not self.config.feature_layers:
+            return hidden
+        return self.fuse(torch.cat([layer_states[i] for i in self.config.feature_layers], dim=-1))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        tree_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pairs (features [B, T, H] at t, tokens [B, T] at t+1) -> (f_hat [B, T, H], logits [B, T, V]).
+        position_ids [B, T] are the features' positions t. Without a cache: causal attention over the T
+        pairs (training; attention_mask marks real pairs, a position 0 starts a new packed sequence)."""
+        target = self.target
+        with torch.no_grad():
+            embedded = target.model.embed_tokens(tokens)  # [B, T, H], frozen
+        x = self.fc(torch.cat([embedded.to(features.dtype), features], dim=-1))  # [B, T, H]
+        B, T = tokens.shape
+        if cache is None:
+            mask = training_mask(attention_mask, position_ids, B, T, x.device)
+        else:
+            valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
+            tree = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if tree_mask is None else tree_mask.bool()
+            tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
+            mask = cached_mask(cache.lengths, tree, valid, cache.max_length + T)
+        cos, sin = rope_tables(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
+        f_hat = self.norm(self.layer(x, cos, sin, mask, cache, 0))  # [B, T, H]
+        if cache is not None:
+            cache.advance(valid.long().sum(1) if attention_mask is not None else T)
+        # The LM head is the target's and frozen: no gradient may reach it from drafter training.
+        return f_hat, F.linear(f_hat, target.lm_head.weight.detach())
+
+    # --- persistence -------------------------------------------------------------------------------
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        from safetensors.torch import save
+
+        from tlt.model.checkpoint import atomic_write_bytes, atomic_write_json
+
+        folder = Path(directory)
+        atomic_write_bytes(folder / "drafter.safetensors", save(self.trainable_state(), metadata={"format": "pt"}))
+        atomic_write_json(folder / "drafter_config.json", asdict(self.config))
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, target: Transformer) -> "Drafter":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from tlt.model.checkpoint import read_json
+
+        folder = Path(directory)
+        if str(directory) in BUILTIN_DRAFTERS:
+            folder = BUILTIN_DRAFTERS[str(directory)]
+        cfg_path = folder / "drafter_config.json"
+        raw = read_json(cfg_path)
+        try:
+            if raw.get("feature_layers") is not None:
+                raw["feature_layers"] = tuple(raw["feature_layers"])
+            config = DrafterConfig(**raw)
+        except TypeError as exc:
+            raise CheckpointError(f"{cfg_path}: {exc}") from None
+        config.check_target(target, str(cfg_path))
+        weights = folder / "drafter.safetensors"
+        if not weights.is_file():
+            raise CheckpointError(f"{weights}: weights file is missing")
+        try:
+            state = load_file(str(weights))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{weights}: cannot read safetensors weights ({exc})") from None
+        drafter = cls(target, config)
+        expected = drafter.state_dict()
+        if set(state) != set(expected):
+            raise CheckpointError(f"{weights}: tensor names {sorted(set(state) ^ set(expected))[:4]} do not match a drafter")
+        for k, v in state.items():
+            if v.shape != expected[k].shape:
+                raise CheckpointError(f"{weights}: tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+        drafter.load_state_dict({k: v.to(target.dtype) for k, v in state.items()})
+        return drafter.eval()
+
+
+BUILTIN_DRAFTERS = {"default": Path(__file__).resolve().parent.parent / "assets" / "default" / "drafter"}

@@ -1,0 +1,38 @@
+"""The model-free drafter: continue the longest earlier match of the sequence's suffix.
+
+Reasoning samples repeat themselves (a running value is copied into the next step) and the G samples
+of one GRPO prompt share much text, so the tokens that followed the last occurrence of the current
+suffix are good guesses at no model cost. One `NgramIndex` per request group maps every n-gram
+(min_n <= n <= max_n) that has a continuation to its most recent (text, end) occurrence, over the prompt
+and all the group's samples; it is updated as tokens arrive, so a lookup costs O(max_n) dict probes.
+A draft is a chain, verified target-only like a tree with one branch (verify.walk).
+"""
+
+from __future__ import annotations
+
+
+class NgramIndex:
+    def __init__(self, prompt: list[int], min_n: int = 1, max_n: int = 4) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.table: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self.prompt = list(prompt)
+        self._index(self.prompt, 0)
+
+    def _index(self, text: list[int], start: int) -> None:
+        """Record the n-grams ending at positions >= start whose continuation text[end] exists."""
+        for end in range(max(start, 1), len(text)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.table[tuple(text[end - n : end])] = (text, end)
+
+    def add(self, text: list[int], old_length: int) -> None:
+        """`text` (a sample's prompt + tokens) grew from old_length tokens; index the new n-grams."""
+        self._index(text, old_length)
+
+    def propose(self, text: list[int], depth: int) -> list[int]:
+        """Up to `depth` tokens following the most recent earlier match of text's longest suffix."""
+        for n in range(min(self.max_n, len(text)), self.min_n - 1, -1):
+            hit = self.table.get(tuple(text[-n:]))
+            if hit is not None:
+                source, end = hit
+                return source[end : end + depth]
+        return []

@@ -1,0 +1,59 @@
+"""What one speculative step does: a small, hashable description used by the engine and the tuner.
+
+kind: "off" (plain decoding), "chain" (the learned drafter proposes `depth` tokens in a line, sampled
+from its own distribution q; verified by min(1, p/q) speculative sampling), "tree" (EAGLE-2 dynamic
+tree: expand the `topk` best children of the `topk` best nodes for `depth` levels, keep the
+`verify_tokens` nodes of highest cumulative draft log-prob; verified target-only), "ngram" (the
+model-free drafter: continuation of the longest suffix match in the prompt, the sequence itself and
+its sibling samples, up to `depth` tokens; verified target-only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tlt.errors import ConfigError
+
+KINDS = ("off", "chain", "tree", "ngram")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    kind: str = "tree"
+    depth: int = 6
+    topk: int = 4
+    verify_tokens: int = 24
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"Strategy field 'kind' must be one of {KINDS}, got {self.kind!r}")
+        for name in ("depth", "topk", "verify_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"Strategy field {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.kind == "tree" and self.verify_tokens < self.depth:
+            raise ConfigError(f"a tree of depth {self.depth} needs verify_tokens >= depth, got {self.verify_tokens}")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.kind in ("chain", "tree")
+
+    @property
+    def name(self) -> str:
+        if self.kind == "off":
+            return "off"
+        if self.kind == "tree":
+            return f"tree-d{self.depth}-k{self.topk}-v{self.verify_tokens}"
+        return f"{self.kind}-d{self.depth}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Strategy":
+        """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24"."""
+        parts = text.split("-")
+        fields = {"d": "depth", "k": "topk", "v": "verify_tokens"}
+        kwargs = {}
+        try:
+            for part in parts[1:]:
+                kwargs[fields[part[0]]] = int(part[1:])
+        except (KeyError, ValueError, IndexError):
+            raise ConfigError(f"cannot parse strategy {text!r}; expected e.g. off, chain-d4, ngram-d6, tree-d6-k4-v24") from None
+        return cls(kind=parts[0], **kwargs)

@@ -1,0 +1,455 @@
+"""`tlt train-drafter`: offline EAGLE training of a drafter on the target's own generations.
+
+Data. A `DraftRecord` is one response y_0..y_{n-1} with the target features h_0..h_{n-1}, where h_i
+is the last-layer feature that produced y_i (at position t = prompt_len + i - 1, just before y_i).
+The rollout engine returns exactly these (`return_hidden_states=True`), so `collect` needs no extra
+target forward. `records_from_texts` gets them from one target forward over text the policy did not
+write (e.g. reference solutions). An EAGLE-3 drafter (`feature_layers`) reads fused intermediate-layer
+outputs instead, which decoding does not return: for it alone the records are recomputed with one
+target forward that also keeps those layers.
+
+Pairing. The training pair at step i (i = 0..n-2) is
+
+    input (h_i, y_i) at position t = prompt_len + i - 1  ->  target feature h_{i+1} and the target's
+    token distribution softmax(lm_head(h_{i+1})), which predicts y_{i+1}
+
+i.e. the feature at t goes with the token at t+1 (the one it produced); pairing it with the token at
+t, as the public online trainer does, hides from the drafter the very token it must continue from.
+
+Packing. A row of the batch holds several records' windows (the last `window` pairs of each) back to
+back. The drafter's no-cache forward starts a new block of its block-diagonal mask wherever a
+position id is 0, but a record's pairs start at prompt_len - 1 (or later, for a window), so each
+window's positions are shifted to start at 0 within the row. RoPE makes attention depend only on
+position differences, so the shift changes nothing inside a window (the packing test checks this).
+
+Loss (`eagle_loss`): SmoothL1(f_hat, f) * feature_weight + token_weight * soft cross-entropy of the
+drafter's distribution against the target's, over response pairs only. With `unroll` k > 1 the
+drafter is also trained on its own inputs ("training-time test"): round r > 1 replaces the feature at
+t by the previous round's prediction of it, f_hat_{r-1}[t-1], keeping the true feature at the start
+of each record, with the same targets; the loss is the mean over rounds and gradients flow through
+the rounds. This approximates deep drafting, where only the newest features are the drafter's own.
+
+Only the drafter's fc, decoder layer, norm (and fusion) train; the target's embedding and LM head
+are used under no_grad and never reach the optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tlt.config import build, to_dict
+from tlt.errors import ConfigError
+
+
+# --- data ------------------------------------------------------------------------------------------
+@dataclass
+class DraftRecord:
+    """One response: tokens [n], features [n, H] (row i produced token i), the prompt's length, and
+    for EAGLE-3 drafters the outputs of target layers `layer_ids` at the same positions [n, k, H]."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    prompt_len: int
+    layers: torch.Tensor | None = None
+    layer_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Pairs:
+    """The m training pairs of a record (or of its last window), in order."""
+
+    tokens: torch.Tensor  # [m] y_i
+    inputs: torch.Tensor  # [m, H] h_i
+    targets: torch.Tensor  # [m, H] h_{i+1}
+    positions: torch.Tensor  # [m] t = prompt_len + i - 1
+    layers: torch.Tensor | None = None  # [m, k, H] target layer outputs at t
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def record_pairs(record: DraftRecord, window: int | None = None) -> Pairs:
+    """Pairs (h_i, y_i) -> h_{i+1} for i = 0..n-2, the last `window` of them when given."""
+    n = record.tokens.shape[0]
+    start = 0 if window is None else max(0, n - 1 - window)
+    i = torch.arange(start, n - 1)  # [m]
+    return Pairs(
+        record.tokens[i],
+        record.features[i],
+        record.features[i + 1],
+        record.prompt_len - 1 + i,
+        None if record.layers is None else record.layers[i],
+    )
+
+
+def records_from_ids(
+    target, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+    output_layers: Sequence[int] = (), batch_size: int = 16,
+) -> list[DraftRecord]:
+    """Records from one target forward over each prompt + response (right-padded batches)."""
+    device, limit = target.device, target.config.max_position_embeddings
+    records = []
+    for s in range(0, len(prompts), batch_size):
+        seqs = [list(p) + list(r) for p, r in zip(prompts[s : s + batch_size], responses[s : s + batch_size])]
+        too_long = [len(q) for q in seqs if len(q) > limit]
+        if too_long:
+            raise ConfigError(f"a prompt + response has {too_long[0]} tokens; the model's context is {limit}")
+        lengths = torch.tensor([len(q) for q in seqs], device=device)
+        ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device=device)
+        for j, q in enumerate(seqs):
+            ids[j, : len(q)] = torch.tensor(q, device=device)
+        valid = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # [B, T]
+        with torch.no_grad():
+            out = target(ids, attention_mask=valid, output_layers=tuple(output_layers),
+                         logit_index=torch.zeros(len(seqs), 1, dtype=torch.long, device=device))
+        for j, (p, r) in enumerate(zip(prompts[s : s + batch_size], responses[s : s + batch_size])):
+            P, n = len(p), len(r)
+            span = slice(P - 1, P - 1 + n)  # the features that produced r[0..n-1]
+            layers = torch.stack([out.layer_states[k][j, span] for k in output_layers], 1) if output_layers else None
+            records.append(DraftRecord(torch.tensor(list(r)), out.hidden_states[j, span].cpu(), P,
+                                       None if layers is None else layers.cpu(), tuple(output_layers)))
+    return records
+
+
+def collect(
+    target, tokenizer, prompts: Sequence[str | list[int]], samples_per_prompt: int = 4,
+    temperature: float = 1.0, max_tokens: int = 768, seed: int = 0, output_layers: Sequence[int] = (),
+) -> list[DraftRecord]:
+    """The target's own generations as records; responses of fewer than 2 tokens give no pair and are
+    dropped. `output_layers` (an EAGLE-3 drafter's `output_layers`) recomputes the features with one
+    target forward that also keeps those layers; otherwise the engine's features are used as they are."""
+    from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(target, tokenizer, EngineConfig(progress=False))
+    params = [SamplingParams(n=samples_per_prompt, temperature=temperature, max_tokens=max_tokens,
+                             seed=seed * 1_000_003 + i, return_hidden_states=not output_layers)
+              for i in range(len(prompts))]
+    done = [(out.prompt_token_ids, c) for out in engine.generate(prompts, params) for c in out.outputs
+            if len(c.token_ids) >= 2]
+    if output_layers:
+        return records_from_ids(target, [p for p, _ in done], [c.token_ids for _, c in done], output_layers)
+    # clone() outside inference mode turns the engine's inference tensors into ordinary ones.
+    return [DraftRecord(torch.tensor(c.token_ids), c.hidden_states.clone().cpu(), len(p)) for p, c in done]
+
+
+def records_from_texts(
+    target, tokenizer, prompts: Sequence[str | list[int]], completions: Sequence[str | list[int]],
+    output_layers: Sequence[int] = (), append_eos: bool = True,
+) -> list[DraftRecord]:
+    """Records for completions the policy did not write, from a target forward over prompt + completion.
+    Text completions get the end-of-sequence token appended (as generated responses end in it)."""
+    if len(prompts) != len(completions):
+        raise ConfigError(f"got {len(prompts)} prompts for {len(completions)} completions")
+
+    def ids(text, completion: bool) -> list[int]:
+        if not isinstance(text, str):
+            return [int(t) for t in text]
+        out = tokenizer.encode(text, add_special_tokens=not completion)
+        return out + [tokenizer.eos_token_id] if completion and append_eos else out
+
+    return records_from_ids(target, [ids(p, False) for p in prompts], [ids(c, True) for c in completions],
+                            output_layers)
+
+
+# --- packing ---------------------------------------------------------------------------------------
+@dataclass
+class PackedBatch:
+    tokens: torch.Tensor  # [R, L]
+    positions: torch.Tensor  # [R, L], 0 at the start of each packed window
+    mask: torch.Tensor  # [R, L] bool, real pairs
+    inputs: torch.Tensor  # [R, L, H]
+    targets: torch.Tensor  # [R, L, H]
+    layers: torch.Tensor | None = None  # [R, L, k, H]
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(*(None if t is None else t.to(device) for t in
+                             (self.tokens, self.positions, self.mask, self.inputs, self.targets, self.layers)))
+
+
+def fill_rows(pairs: Iterator[Pairs], row_tokens: int) -> Iterator[list[Pairs]]:
+    """Group consecutive windows into rows of at most `row_tokens` pairs (each window must fit)."""
+    row, used = [], 0
+    for p in pairs:
+        if row and used + len(p) > row_tokens:
+            yield row
+            row, used = [], 0
+        row.append(p)
+        used += len(p)
+    if row:
+        yield row
+
+
+def _padded(parts: list[torch.Tensor], pad: int) -> torch.Tensor:
+    return torch.cat(parts + [parts[0].new_zeros(pad, *parts[0].shape[1:])])
+
+
+def pack(rows: list[list[Pairs]], row_tokens: int) -> PackedBatch:
+    """Tensors of a batch of rows; positions restart at 0 per window (see the module docstring), and
+    padding continues the last window's positions, so it starts no block of its own."""
+    cols = []
+    for row in rows:
+        used = sum(len(p) for p in row)
+        pad = row_tokens - used
+        cols.append((
+            _padded([p.tokens for p in row], pad),
+            torch.cat([torch.arange(len(p)) for p in row] + [torch.arange(pad) + len(row[-1])]),
+            torch.arange(row_tokens) < used,
+            _padded([p.inputs for p in row], pad),
+            _padded([p.targets for p in row], pad),
+            None if row[0].layers is None else _padded([p.layers for p in row], pad),
+        ))
+    return PackedBatch(*(None if col[0] is None else torch.stack(col) for col in zip(*cols)))
+
+
+def packed_batches(pairs: list[Pairs], rows: int, row_tokens: int, seed: int) -> Iterator[PackedBatch]:
+    """Endless batches of `rows` rows, windows in a fresh random order each epoch."""
+    rng = random.Random(seed)
+
+    def shuffled() -> Iterator[Pairs]:
+        while True:
+            yield from rng.sample(pairs, len(pairs))
+
+    row_stream = fill_rows(shuffled(), row_tokens)
+    while True:
+        yield pack([next(row_stream) for _ in range(rows)], row_tokens)
+
+
+# --- loss ------------------------------------------------------------------------------------------
+def eagle_loss(
+    f_hat: torch.Tensor, f_target: torch.Tensor, drafter_logits: torch.Tensor, target_logits: torch.Tensor,
+    mask: torch.Tensor, feature_weight: float = 1.0, token_weight: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The EAGLE loss over valid pairs. f_hat, f_target [B, T, H]; logits [B, T, V]; mask [B, T].
+    Metrics: the two terms, token_kl (the cross-entropy less the target's entropy: 0 at the optimum)
+    and top1 (drafter argmax == target argmax)."""
+    m = mask.float()  # [B, T]
+    n = m.sum().clamp(min=1)
+    feature = F.smooth_l1_loss(f_hat.float(), f_target.float(), reduction="none").mean(-1)  # [B, T]
+    p = F.softmax(target_logits.float(), -1)  # [B, T, V]
+    log_p = F.log_softmax(target_logits.float(), -1)  # [B, T, V]
+    log_q = F.log_softmax(drafter_logits.float(), -1)  # [B, T, V]
+    ce = -(p * log_q).sum(-1)  # [B, T]
+    kl = (p * (log_p - log_q)).sum(-1)  # [B, T]
+    top1 = (drafter_logits.argmax(-1) == target_logits.argmax(-1)).float()  # [B, T]
+    feature_loss, token_loss = (feature * m).sum() / n, (ce * m).sum() / n
+    loss = feature_weight * feature_loss + token_weight * token_loss
+    metrics = {"loss": loss.item(), "feature_loss": feature_loss.item(), "token_loss": token_loss.item(),
+               "token_kl": ((kl * m).sum() / n).item(), "top1": ((top1 * m).sum() / n).item()}
+    return loss, metrics
+
+
+# --- training --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DrafterTrainConfig:
+    """batch_tokens pairs per optimizer step, in `rows` rows of batch_tokens // rows; `window`: the last
+    pairs of each record trained on; `unroll`: training-time-test rounds; `feature_layers`: target
+    layers a fresh drafter fuses (EAGLE-3 style; None: the last-layer feature)."""
+
+    steps: int = 1000
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    batch_tokens: int = 4096
+    rows: int = 4
+    window: int = 512
+    unroll: int = 1
+    feature_weight: float = 1.0
+    token_weight: float = 0.1
+    grad_clip: float = 1.0
+    feature_layers: tuple[int, ...] | None = None
+    seed: int = 0
+    threads: int = 0
+    log_every: int = 50
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("steps", self.steps >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("rows", self.rows >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
+            ("batch_tokens", self.batch_tokens // max(self.rows, 1) >= self.window,
+             f"at least rows * window = {self.rows * self.window} (a window must fit a row)"),
+            ("unroll", self.unroll >= 1, ">= 1"), ("feature_weight", self.feature_weight >= 0, ">= 0"),
+            ("token_weight", self.token_weight >= 0, ">= 0"), ("grad_clip", self.grad_clip > 0, "> 0"),
+            ("threads", self.threads >= 0, ">= 0"), ("log_every", self.log_every >= 1, ">= 1"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"DrafterTrainConfig field {name!r} must be {expected}, got {getattr(self, name)!r}")
+        if self.feature_weight == 0 and self.token_weight == 0:
+            raise ConfigError("DrafterTrainConfig fields 'feature_weight' and 'token_weight' cannot both be 0")
+
+    @property
+    def row_tokens(self) -> int:
+        return self.batch_tokens // self.rows
+
+
+def true_features(drafter, batch: PackedBatch) -> torch.Tensor:
+    """The drafter's view of the target features at the pairs: [R, L, H] (fused for EAGLE-3)."""
+    if batch.layers is None:
+        return batch.inputs
+    return drafter.target_features(batch.inputs, {k: batch.layers[:, :, j] for j, k in enumerate(drafter.output_layers)})
+
+
+def unrolled_loss(drafter, batch: PackedBatch, c: DrafterTrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """The EAGLE loss averaged over `c.unroll` training-time-test rounds (see the module docstring)."""
+    with torch.no_grad():
+        target_logits = drafter.target.lm_head(batch.targets)  # [R, L, V]
+    f_true = true_features(drafter, batch)  # [R, L, H]
+    starts = (batch.positions == 0)[..., None]  # [R, L, 1] first pair of each window
+    features, losses, metrics = f_true, [], {}
+    for r in range(1, c.unroll + 1):
+        f_hat, logits = drafter(batch.tokens, features, batch.positions, attention_mask=batch.mask)  # [R, L, H], [R, L, V]
+        loss, m = eagle_loss(f_hat, batch.targets, logits, target_logits, batch.mask, c.feature_weight, c.token_weight)
+        losses.append(loss)
+        metrics.update(m if r == 1 else {f"top1@{r}": m["top1"]})
+        # f_hat[t-1] is the drafter's guess of the feature at t: next round it stands in for f[t].
+        features = torch.where(starts, f_true, torch.cat([f_true[:, :1], f_hat[:, :-1]], 1))  # [R, L, H]
+    total = torch.stack(losses).mean()
+    metrics["loss"] = total.item()
+    return total, metrics
+
+
+def lr_at(step: int, c: DrafterTrainConfig) -> float:
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / c.warmup_steps
+    progress = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
+    return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def check_records(drafter, records: list[DraftRecord]) -> None:
+    want = drafter.output_layers
+    for i, r in enumerate(records):
+        if (r.layers is None) != (not want) or (want and r.layer_ids != want):
+            raise ConfigError(f"record {i} has target layers {r.layer_ids} but the drafter reads {want}; "
+                              f"collect with output_layers=drafter.output_layers")
+
+
+def train_drafter(target, records: list[DraftRecord], config: DrafterTrainConfig, drafter=None, log=print):
+    """Train `drafter` (a fresh one when None) on `records`; returns (drafter, final metrics), the
+    metrics averaged over the last logging interval."""
+    from tlt.speculative.drafter import Drafter
+
+    c = config
+    if c.threads:
+        torch.set_num_threads(c.threads)
+    if drafter is None:
+        drafter = Drafter.from_target(target, feature_layers=c.feature_layers, seed=c.seed)
+    elif drafter.target is not target:
+        raise ConfigError("the drafter was built for another target model")
+    check_records(drafter, records)
+    pairs = [p for p in (record_pairs(r, c.window) for r in records) if len(p)]
+    if not pairs:
+        raise ConfigError("no training pairs: every record has fewer than 2 response tokens")
+    drafter.train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.95))
+    batches = packed_batches(pairs, c.rows, c.row_tokens, c.seed)
+    start, window_metrics, metrics = time.time(), [], {}
+    for step in range(c.steps):
+        batch = next(batches).to(target.device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, c)
+        loss, m = unrolled_loss(drafter, batch, c)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), c.grad_clip)
+        opt.step()
+        window_metrics.append(m)
+        if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+            elapsed = time.time() - start
+            metrics = {k: round(sum(w[k] for w in window_metrics) / len(window_metrics), 4) for k in m}
+            metrics.update(step=step + 1, elapsed_s=round(elapsed, 1))
+            log(f"step {step + 1:5d}  loss {metrics['loss']:.4f}  feature {metrics['feature_loss']:.4f}  "
+                f"token {metrics['token_loss']:.4f}  top1 {metrics['top1']:.3f}  lr {lr_at(step, c):.2e}  "
+                f"{(step + 1) * c.batch_tokens / elapsed:,.0f} pairs/s")
+            window_metrics = []
+    metrics.update(records=len(records), pairs=sum(len(p) for p in pairs))
+    return drafter.eval(), metrics
+
+
+@torch.no_grad()
+def acceptance_top1(drafter, records: list[DraftRecord], rows: int = 8) -> float:
+    """Teacher-forced top-1 agreement of drafter and target over every pair of `records`: the rate at
+    which a one-token greedy draft is accepted."""
+    check_records(drafter, records)
+    pairs = [p for p in (record_pairs(r) for r in records) if len(p)]
+    if not pairs:
+        raise ConfigError("no pairs to evaluate: every record has fewer than 2 response tokens")
+    L = max(len(p) for p in pairs)
+    packed_rows = list(fill_rows(iter(pairs), L))
+    agree = total = 0
+    for s in range(0, len(packed_rows), rows):
+        batch = pack(packed_rows[s : s + rows], L).to(drafter.target.device)
+        _, logits = drafter(batch.tokens, true_features(drafter, batch), batch.positions,
+                            attention_mask=batch.mask)  # [R, L, V]
+        target_top = drafter.target.lm_head(batch.targets).argmax(-1)  # [R, L]
+        agree += int(((logits.argmax(-1) == target_top) & batch.mask).sum())
+        total += int(batch.mask.sum())
+    return agree / total
+
+
+# --- command line ----------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="target model folder or built-in name")
+    parser.add_argument("--out", required=True, help="output drafter folder")
+    parser.add_argument("--from-drafter", help="drafter folder to continue training from")
+    parser.add_argument("--prompts", type=int, default=256, help="train-split problems to generate on")
+    parser.add_argument("--samples", type=int, default=4, help="samples per problem")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=768)
+    parser.add_argument("--eval-prompts", type=int, default=32, help="eval-split problems for acceptance")
+    parser.add_argument("--config", help="YAML file of DrafterTrainConfig fields")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="DrafterTrainConfig fields")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tlt.model import load_model
+    from tlt.model.checkpoint import atomic_write_json
+    from tlt.speculative.drafter import Drafter
+    from tlt.tasks import ArithmeticTask
+    from tlt.tokenizer import load_tokenizer
+
+    c = build(DrafterTrainConfig, args.config, args.overrides)
+    command = "tlt " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["train-drafter"] else "tlt train-drafter"
+    if c.threads:
+        torch.set_num_threads(c.threads)
+    target, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    if args.from_drafter:
+        drafter = Drafter.load(args.from_drafter, target)
+        if c.feature_layers is not None and tuple(c.feature_layers) != drafter.output_layers:
+            raise ConfigError(f"field 'feature_layers' is {c.feature_layers} but {args.from_drafter} "
+                              f"reads {drafter.output_layers}")
+    else:
+        drafter = Drafter.from_target(target, c.feature_layers, seed=c.seed)
+    task = ArithmeticTask()
+
+    def gather(n: int, split: str) -> list[DraftRecord]:
+        prompts = [p.prompt for p in task.sample(n, seed=c.seed, split=split)]
+        return collect(target, tokenizer, prompts, args.samples, args.temperature, args.max_tokens,
+                       c.seed, drafter.output_layers)
+
+    start = time.time()
+    records, held_out = gather(args.prompts, "train"), gather(args.eval_prompts, "eval")
+    print(f"collected {len(records)} responses, {sum(len(r.tokens) - 1 for r in records)} pairs "
+          f"(+{len(held_out)} held out) in {time.time() - start:.0f}s")
+    before = acceptance_top1(drafter, held_out)
+    drafter, metrics = train_drafter(target, records, c, drafter)
+    metrics.update(held_out_top1_before=round(before, 4), held_out_top1=round(acceptance_top1(drafter, held_out), 4))
+    print(f"held-out top-1 agreement {before:.3f} -> {metrics['held_out_top1']:.3f}")
+    drafter.save(args.out)
+    data = {"model": args.model, "from_drafter": args.from_drafter, "prompts": args.prompts,
+            "samples": args.samples, "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "eval_prompts": args.eval_prompts}
+    atomic_write_json(Path(args.out) / "recipe.json",
+                      {"command": command, "config": to_dict(c), "data": data, "metrics": metrics})
+    print(f"wrote {args.out}")
+    return 0
