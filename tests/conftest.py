@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("TLT_TEST_THREADS", "2")))
+torch.set_num_threads(int(os.environ.get("TLT_TEST_THREADS", "1")))
 
 
 def tiny_hf_model(arch: str = "qwen2", seed: int = 0, **overrides):

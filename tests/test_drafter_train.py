@@ -83,7 +83,8 @@ def test_pairs_match_a_full_target_forward(target, records):
         last = record_pairs(r, window=3)
         assert torch.equal(last.tokens, p.tokens[-3:]) and torch.equal(last.positions, p.positions[-3:])
     # A target forward over the same text gives the same records as the engine's decode features.
-    again = records_from_texts(target, None, [prompts[r.prompt_len] for r in records], [r.tokens.tolist() for r in records])
+    again = records_from_texts(target, None, [prompts[r.prompt_len] for r in records],
+                               [r.tokens.tolist() for r in records])
     for a, b in zip(records, again):
         assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
         torch.testing.assert_close(a.features, b.features, atol=1e-4, rtol=1e-4)
@@ -219,12 +220,16 @@ def test_config_validates_itself():
 
 def test_cli_writes_a_loadable_drafter_and_its_recipe(tiny_model, tmp_path):
     from tlt.cli import main
-    from tlt.tasks import CharTokenizer
+    from tlt.tasks import ArithmeticTask, CharTokenizer
 
     tokenizer = CharTokenizer()
     model = tiny_model(seed=0, vocab_size=32, eos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
+    problem = ArithmeticTask().problem(47, [("+", 8), ("-", 3)])
+    (text,) = records_from_texts(model, tokenizer, [problem.prompt], [problem.solution])
+    assert text.prompt_len == len(tokenizer.encode(problem.prompt))
+    assert text.tokens.tolist() == tokenizer.encode(problem.solution, add_special_tokens=False) + [2]
     out = tmp_path / "drafter"
     rc = main(["train-drafter", "--model", str(tmp_path / "model"), "--out", str(out), "--prompts", "4",
                "--samples", "2", "--max-tokens", "12", "--eval-prompts", "2",

@@ -70,6 +70,7 @@ class DecodeResult:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     hidden: list[torch.Tensor] | None
+    strategy: str = "off"  # the strategy of the step ("off": one plain token per row)
 
 
 @dataclass
@@ -79,6 +80,8 @@ class EngineStats:
     decode_tokens: int = 0
     step_times: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    strategies: list[str] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each decode step
     wall_time: float = 0.0
 
     def as_dict(self) -> dict:
@@ -92,7 +95,16 @@ class EngineStats:
             "tokens_per_s": self.decode_tokens / self.wall_time if self.wall_time else 0.0,
             "step_times_s": list(self.step_times),
             "batch_sizes": list(self.batch_sizes),
+            "strategies": list(self.strategies),
+            "step_tokens": list(self.step_tokens),
+            "acceptance_length": self.acceptance_length(),
         }
+
+    def acceptance_length(self) -> float | None:
+        """Tokens per row per speculative step (accepted drafts + 1), over all speculative steps."""
+        spec = [(t, b) for t, b, s in zip(self.step_tokens, self.batch_sizes, self.strategies) if s != "off"]
+        rows = sum(b for _, b in spec)
+        return sum(t for t, _ in spec) / rows if rows else None
 
 
 class PlainDecoder:
@@ -194,6 +206,8 @@ class RolloutEngine:
         if self.batch is not None and len(self.batch):
             self._stats.batch_sizes.append(len(self.batch))
             result = self.decoder.decode(self.batch)
+            self._stats.strategies.append(result.strategy)
+            self._stats.step_tokens.append(sum(map(len, result.tokens)))
             self._postprocess(result)
         self._stats.steps += 1
         self._stats.step_times.append(time.perf_counter() - start)

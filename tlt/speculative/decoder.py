@@ -78,8 +78,6 @@ class SpeculativeDecoder:
         if self.strategy.uses_drafter and drafter is None:
             raise ValueError(f"strategy {self.strategy.name} needs a drafter")
         self.output_layers = tuple(drafter.output_layers) if drafter is not None else ()
-        self.acceptance: list[float] = []  # mean accepted length per speculative step
-        self.step_strategy: list[str] = []
 
     # --- engine hooks ------------------------------------------------------------------------------
     def prefill(self, batch, ids: torch.Tensor, lengths: torch.Tensor, out, counts: torch.Tensor) -> None:
@@ -104,7 +102,6 @@ class SpeculativeDecoder:
 
     def decode(self, batch, strategy: Strategy | None = None) -> DecodeResult:
         strategy = strategy or self.strategy
-        self.step_strategy.append(strategy.name)
         if strategy.kind == "off":
             return self._plain(batch)
         if strategy.kind == "ngram":
@@ -113,7 +110,9 @@ class SpeculativeDecoder:
         else:
             f0, logits0 = self._catch_up(batch)
             draft = expand(self.drafter, batch.draft.cache, f0, logits0, batch.cache.lengths, strategy, batch)
-        return self._verify(batch, draft)
+        result = self._verify(batch, draft)
+        result.strategy = strategy.name
+        return result
 
     # --- steps -------------------------------------------------------------------------------------
     def _plain(self, batch) -> DecodeResult:
@@ -148,7 +147,6 @@ class SpeculativeDecoder:
         keep = torch.tensor([v + [0] * (K - len(v)) for v in visited], device=base.device)
         batch.cache.compact(base, keep, torch.tensor([len(v) for v in visited], device=base.device))
         self._feed(batch, out, visited, emitted, base)
-        self.acceptance.append(sum(len(e) for e in emitted) / len(emitted))
         for seq, e in zip(batch.seqs, emitted):
             seq.spec_steps += 1
             seq.spec_tokens += len(e)

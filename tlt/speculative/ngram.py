@@ -34,5 +34,13 @@ class NgramIndex:
             hit = self.table.get(tuple(text[-n:]))
             if hit is not None:
                 source, end = hit
-                return source[end : end + depth]
+                if source is not text:
+                    return source[end : end + depth]
+                # A match in the sequence itself continues past its end as an overlapping copy (LZ77
+                # style): in a loop of period P the continuation repeats the last P tokens.
+                out = []
+                for i in range(depth):
+                    j = end + i
+                    out.append(text[j] if j < len(text) else out[j - len(text)])
+                return out
         return []

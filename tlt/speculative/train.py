@@ -98,6 +98,8 @@ def records_from_ids(
 ) -> list[DraftRecord]:
     """Records from one target forward over each prompt + response (right-padded batches)."""
     device, limit = target.device, target.config.max_position_embeddings
+    if any(len(p) == 0 for p in prompts):
+        raise ConfigError("a prompt is empty: the first response token needs a prompt feature before it")
     records = []
     for s in range(0, len(prompts), batch_size):
         seqs = [list(p) + list(r) for p, r in zip(prompts[s : s + batch_size], responses[s : s + batch_size])]
@@ -297,7 +299,8 @@ def true_features(drafter, batch: PackedBatch) -> torch.Tensor:
     """The drafter's view of the target features at the pairs: [R, L, H] (fused for EAGLE-3)."""
     if batch.layers is None:
         return batch.inputs
-    return drafter.target_features(batch.inputs, {k: batch.layers[:, :, j] for j, k in enumerate(drafter.output_layers)})
+    layer_states = {k: batch.layers[:, :, j] for j, k in enumerate(drafter.output_layers)}  # k -> [R, L, H]
+    return drafter.target_features(batch.inputs, layer_states)
 
 
 def unrolled_loss(drafter, batch: PackedBatch, c: DrafterTrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -308,8 +311,9 @@ def unrolled_loss(drafter, batch: PackedBatch, c: DrafterTrainConfig) -> tuple[t
     starts = (batch.positions == 0)[..., None]  # [R, L, 1] first pair of each window
     features, losses, metrics = f_true, [], {}
     for r in range(1, c.unroll + 1):
-        f_hat, logits = drafter(batch.tokens, features, batch.positions, attention_mask=batch.mask)  # [R, L, H], [R, L, V]
-        loss, m = eagle_loss(f_hat, batch.targets, logits, target_logits, batch.mask, c.feature_weight, c.token_weight)
+        f_hat, logits = drafter(batch.tokens, features, batch.positions, attention_mask=batch.mask)  # [R, L, H/V]
+        loss, m = eagle_loss(f_hat, batch.targets, logits, target_logits, batch.mask,
+                             c.feature_weight, c.token_weight)
         losses.append(loss)
         metrics.update(m if r == 1 else {f"top1@{r}": m["top1"]})
         # f_hat[t-1] is the drafter's guess of the feature at t: next round it stands in for f[t].

@@ -1,0 +1,217 @@
+"""Speculative decoding is lossless: greedy token for token, sampling in distribution (chi-square over
+every 3-token continuation of a tiny-vocabulary target), log-probs and features as a full forward."""
+
+import itertools
+
+import pytest
+import torch
+
+import tlt
+from tlt.model import ModelConfig, Transformer
+from tlt.rollout.sampling import warp_logprobs
+from tlt.speculative import Drafter, Strategy
+
+STRATEGIES = ["chain-d3", "tree-d4-k3-v10", "ngram-d4"]
+
+
+def random_target(vocab=61, seed=0, scale=0.3):
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=256, qk_norm=True, eos_token_id=1,
+    )).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, scale)
+    return model
+
+
+class AdversarialDrafter(Drafter):
+    """Proposes the token the target finds least likely: its logits are the target's, negated."""
+
+    def forward(self, tokens, features, position_ids, cache=None, tree_mask=None, attention_mask=None):
+        f_hat, _ = super().forward(tokens, features, position_ids, cache, tree_mask, attention_mask)
+        return f_hat, -self.target.lm_head(features)
+
+
+def drafters_for(target):
+    return {
+        "random": Drafter.from_target(target, seed=1),
+        "adversarial": AdversarialDrafter(target),
+    }
+
+
+def tokens_of(outputs):
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+def engine(target, strategy, drafter=None, **config):
+    return tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="on", strategy=strategy, drafter=drafter,
+                                                             **config))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kind", ["random", "adversarial"])
+def test_greedy_speculative_equals_plain(strategy, kind):
+    target = random_target()
+    drafter = drafters_for(target)[kind]
+    prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
+    params = tlt.SamplingParams(n=2, temperature=0, max_tokens=48, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = engine(target, strategy, drafter)
+    assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
+    assert spec.stats()["acceptance_length"] >= 1.0
+
+
+def test_greedy_accepts_long_runs_when_drafts_are_right():
+    """Greedy decoding of a random target falls into a cycle, which the n-gram drafter then predicts
+    exactly: whole drafts must be accepted (the compaction of many accepted nodes is exercised) and
+    the output must still equal plain decoding."""
+    target = random_target(seed=2)
+    params = tlt.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate([[5, 6, 7, 8]], params)
+    spec = engine(target, "ngram-d6")
+    assert tokens_of(spec.generate([[5, 6, 7, 8]], params)) == tokens_of(plain)
+    assert spec.stats()["acceptance_length"] >= 4.0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_logprobs_and_features_equal_full_forward(strategy):
+    target = random_target(seed=3)
+    prompt = [3, 9, 27, 4, 5]
+    params = tlt.SamplingParams(n=3, temperature=0.9, top_p=0.95, top_k=30, max_tokens=30, seed=1,
+                                ignore_eos=True, return_hidden_states=True)
+    out = engine(target, strategy, Drafter.from_target(target, seed=2)).generate([prompt], params)[0]
+    for c in out.outputs:
+        with torch.no_grad():
+            full = target(torch.tensor([prompt + c.token_ids]))
+        logits = full.logits[0, len(prompt) - 1 : -1]
+        n = len(c.token_ids)
+        warped = warp_logprobs(logits, torch.full((n,), 0.9), torch.full((n,), 30), torch.full((n,), 0.95))
+        ref = warped.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - ref).abs().max() <= 1e-4
+        assert (c.hidden_states - full.hidden_states[0, len(prompt) - 1 : -1]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["tree-d4-k3-v10", "ngram-d4"])
+def test_target_only_verification_reproduces_plain_sampling(strategy):
+    """Tree and n-gram verification draw each token with the uniform plain decoding uses at that
+    position, so with the same seed the samples are the same, token for token."""
+    target = random_target(seed=4)
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5]]
+    params = tlt.SamplingParams(n=4, temperature=1.0, max_tokens=30, seed=11, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = engine(target, strategy, Drafter.from_target(target, seed=5)).generate(prompts, params)
+    assert tokens_of(spec) == tokens_of(plain)
+
+
+def test_same_seed_same_output_under_speculation_whatever_shares_the_batch():
+    target = random_target(seed=6)
+    drafter = Drafter.from_target(target, seed=7)
+    params = tlt.SamplingParams(n=2, temperature=1.0, max_tokens=25, seed=99, ignore_eos=True)
+    alone = engine(target, "chain-d3", drafter).generate([[4, 5, 6]], params)
+    mixed = engine(target, "chain-d3", drafter).generate(
+        [[7, 8], [4, 5, 6], [9, 9, 9, 9]], [tlt.SamplingParams(max_tokens=40), params, tlt.SamplingParams(n=3)]
+    )
+    assert tokens_of(alone) == [c.token_ids for c in mixed[1].outputs]
+
+
+# --- exact distribution ----------------------------------------------------------------------------
+
+VOCAB = 8
+
+
+def exact_three_token_distribution(target, prompt, temperature, top_k, top_p) -> torch.Tensor:
+    """P(x1, x2, x3) over all VOCAB^3 continuations, from full forwards under the same warping."""
+    seqs = torch.tensor([prompt + list(c) for c in itertools.product(range(VOCAB), repeat=3)])
+    with torch.no_grad():
+        logits = target(seqs).logits[:, len(prompt) - 1 : len(prompt) + 2]  # [V^3, 3, V]
+    n = logits.shape[0] * 3
+    lp = warp_logprobs(logits.reshape(n, VOCAB), torch.full((n,), temperature), torch.full((n,), top_k),
+                       torch.full((n,), top_p)).view(-1, 3, VOCAB)
+    picked = lp.gather(2, seqs[:, len(prompt):, None])[..., 0]  # [V^3, 3]
+    return picked.sum(1).double().exp()
+
+
+def sample_counts(target, drafter, strategy, prompt, temperature, top_k, top_p, n, seed):
+    spec = engine(target, strategy, drafter, max_batch_size=n)
+    params = tlt.SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, seed=seed,
+                                ignore_eos=True)
+    seqs = torch.tensor([c.token_ids for c in spec.generate([prompt], params)[0].outputs])
+    index = (seqs * torch.tensor([VOCAB * VOCAB, VOCAB, 1])).sum(1)
+    return torch.bincount(index, minlength=VOCAB**3), spec
+
+
+def chi_square_pvalue(counts, probs):
+    from scipy.stats import chisquare
+
+    assert int(counts[probs == 0].sum()) == 0, "a continuation with zero probability was sampled"
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    return float(chisquare(obs[keep].numpy(), (exp[keep] * obs.sum() / exp[keep].sum()).numpy()).pvalue)
+
+
+SETTINGS = [
+    # (drafter, strategy, temperature, top_k, top_p)
+    ("random", "chain-d3", 0.6, -1, 1.0),
+    ("adversarial", "chain-d3", 1.3, -1, 1.0),
+    ("adversarial", "tree-d3-k2-v5", 1.0, -1, 0.8),
+    ("random", "tree-d3-k3-v6", 1.3, 5, 1.0),
+    ("random", "ngram-d3", 1.0, 5, 0.8),
+]
+
+
+@pytest.mark.parametrize("kind,strategy,temperature,top_k,top_p", SETTINGS)
+def test_sampling_is_exact(kind, strategy, temperature, top_k, top_p):
+    target = random_target(vocab=VOCAB, seed=8, scale=0.6)
+    drafter = drafters_for(target)[kind]
+    prompt = [1, 2, 3, 2, 1, 2]  # repetitive, so the n-gram drafter has matches to propose
+    counts, spec = sample_counts(target, drafter, strategy, prompt, temperature, top_k, top_p, 50_000, seed=1)
+    probs = exact_three_token_distribution(target, prompt, temperature, top_k, top_p)
+    assert chi_square_pvalue(counts, probs) > 0.001
+    if kind != "adversarial":  # the adversarial drafter's proposals are mostly (top-p: all) rejected
+        assert spec.stats()["acceptance_length"] > 1.0  # drafts were really accepted, not just rejected
+
+
+def test_chi_square_catches_a_biased_verifier(monkeypatch):
+    """Guards the exactness tests: a verifier that accepts every sampled draft must fail them."""
+    import tlt.speculative.decoder as decoder
+
+    def accept_all(p, q, draft, u_accept, u_final):
+        k = draft.shape[1]
+        count = torch.full((draft.shape[0],), k, dtype=torch.long)
+        return count, p[:, k].argmax(-1)
+
+    monkeypatch.setattr(decoder, "speculative_sample_chain", accept_all)
+    target = random_target(vocab=VOCAB, seed=8, scale=0.6)
+    prompt = [1, 2, 3, 2, 1, 2]
+    counts, _ = sample_counts(target, drafters_for(target)["random"], "chain-d3", prompt, 1.0, -1, 1.0, 20_000, 1)
+    assert chi_square_pvalue(counts, exact_three_token_distribution(target, prompt, 1.0, -1, 1.0)) < 1e-6
+
+
+def test_strategy_names_round_trip_and_validation():
+    for name in ("off", "chain-d4", "ngram-d6", "tree-d6-k4-v24"):
+        assert Strategy.parse(name).name == name
+    with pytest.raises(tlt.ConfigError):
+        Strategy.parse("tree-x3")
+    with pytest.raises(tlt.ConfigError):
+        Strategy(kind="beam")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        engine(random_target(), "tree-d3-k2-v4")
+
+
+def test_drafter_save_load_and_target_check(tmp_path):
+    target = random_target()
+    drafter = Drafter.from_target(target, seed=3)
+    drafter.save(tmp_path)
+    loaded = Drafter.load(tmp_path, target)
+    tokens, feats, pos = torch.randint(0, 61, (2, 5)), torch.randn(2, 5, 32), torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        assert torch.equal(drafter(tokens, feats, pos)[1], loaded(tokens, feats, pos)[1])
+    assert not any(k.startswith(("embed", "lm_head")) for k in drafter.trainable_state())
+    with pytest.raises(tlt.CheckpointError, match="vocab_size"):
+        Drafter.load(tmp_path, random_target(vocab=50))
