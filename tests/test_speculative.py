@@ -35,11 +35,21 @@ class AdversarialDrafter(Drafter):
         return f_hat, -self.target.lm_head(features)
 
 
-def drafters_for(target):
-    return {
-        "random": Drafter.from_target(target, seed=1),
-        "adversarial": AdversarialDrafter(target),
-    }
+def trained_drafter(target, prompt):
+    """A drafter trained briefly on the target's own samples, so its proposals are often right."""
+    from tlt.speculative.train import DrafterTrainConfig, collect, train_drafter
+
+    records = collect(target, None, [prompt] * 8, samples_per_prompt=8, temperature=1.0, max_tokens=24, seed=0)
+    config = DrafterTrainConfig(steps=60, lr=3e-3, warmup_steps=5, batch_tokens=256, rows=4, window=32, log_every=1000)
+    drafter, _ = train_drafter(target, records, config, log=lambda line: None)
+    return drafter.eval()
+
+
+def drafters_for(target, prompt=None):
+    out = {"random": Drafter.from_target(target, seed=1), "adversarial": AdversarialDrafter(target)}
+    if prompt is not None:
+        out["trained"] = trained_drafter(target, prompt)
+    return out
 
 
 def tokens_of(outputs):
@@ -157,6 +167,8 @@ def chi_square_pvalue(counts, probs):
 
 SETTINGS = [
     # (drafter, strategy, temperature, top_k, top_p)
+    ("trained", "tree-d3-k2-v5", 0.6, -1, 1.0),
+    ("trained", "chain-d3", 1.0, 5, 0.8),
     ("random", "chain-d3", 0.6, -1, 1.0),
     ("adversarial", "chain-d3", 1.3, -1, 1.0),
     ("adversarial", "tree-d3-k2-v5", 1.0, -1, 0.8),
@@ -168,8 +180,8 @@ SETTINGS = [
 @pytest.mark.parametrize("kind,strategy,temperature,top_k,top_p", SETTINGS)
 def test_sampling_is_exact(kind, strategy, temperature, top_k, top_p):
     target = random_target(vocab=VOCAB, seed=8, scale=0.6)
-    drafter = drafters_for(target)[kind]
-    prompt = [1, 2, 3, 2, 1, 2]  # repetitive, so the n-gram drafter has matches to propose
+    prompt = list(range(VOCAB)) * 2  # every token has a continuation for the n-gram drafter
+    drafter = drafters_for(target, prompt if kind == "trained" else None)[kind]
     counts, spec = sample_counts(target, drafter, strategy, prompt, temperature, top_k, top_p, 50_000, seed=1)
     probs = exact_three_token_distribution(target, prompt, temperature, top_k, top_p)
     assert chi_square_pvalue(counts, probs) > 0.001

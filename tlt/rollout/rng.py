@@ -34,10 +34,18 @@ def mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def _mix_int(z: int) -> int:
+    """`mix` on one Python int (same bits), for keys made once per sequence."""
+    m = (1 << 64) - 1
+    z = (z + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
 def sequence_key(seed: int, index: int) -> int:
-    """The key of sample `index` of a request with `seed`."""
-    z = mix(torch.tensor([_as_int64(seed)], dtype=torch.int64))
-    return int(mix(z ^ index)[0])
+    """The key of sample `index` of a request with `seed` (an int64 value)."""
+    return _as_int64(_mix_int(_mix_int(seed & ((1 << 64) - 1)) ^ index))
 
 
 def uniform(keys: torch.Tensor, counters: torch.Tensor, stream: int = 0) -> torch.Tensor:
