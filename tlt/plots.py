@@ -62,3 +62,19 @@ def live_batch(series: dict[str, tuple[list[float], list[int]]], path, title: st
     ax.legend()
     plt.close(fig)
     return _save(fig, path)
+
+
+def strategy_by_batch(batch_sizes: list[int], strategies: list[str], path, title: str = "adaptive choice") -> Path:
+    """Which strategy the adaptive engine ran at each live batch size (one dot per decode step)."""
+    plt = _figure()
+    names = sorted(set(strategies), key=lambda n: (n != "off", n))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, name in enumerate(names):
+        xs = [b for b, s in zip(batch_sizes, strategies) if s == name]
+        ax.scatter(xs, [i] * len(xs), s=8, alpha=0.4)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("live batch size")
+    ax.set_title(title)
+    plt.close(fig)
+    return _save(fig, path)

@@ -9,6 +9,7 @@ import importlib
 BENCHES = {
     "forward": "tlt.bench.forward",
     "rollout": "tlt.bench.rollout",
+    "speculative": "tlt.bench.speculative",
 }
 
 

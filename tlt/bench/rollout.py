@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--drafter", default="default", help="drafter for speculative systems")
+    parser.add_argument("--strategies", default="",
+                        help="fixed speculative strategies to run too, e.g. tree-d6-k4-v24,chain-d4,ngram-d4")
+    parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
     parser.add_argument("--json", help="write config, rows and ratios here")
     parser.add_argument("--plot", default="runs/bench/rollout_live_batch.png")
 
@@ -38,10 +42,14 @@ def workload(args, tokenizer):
     return [tokenizer.encode(p.prompt) for p in problems]
 
 
-def run_tlt(model, prompts, args, repeat: int) -> dict:
-    from tlt.rollout import RolloutEngine, SamplingParams
+def run_tlt(model, prompts, args, repeat: int, config=None, tuner_state=None) -> dict:
+    """One rollout with tlt's engine; `tuner_state` (adaptive) is loaded first and the new state is
+    returned, so the tuner is carried from rollout to rollout as it is across RL steps."""
+    from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
 
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, config=config or EngineConfig())
+    if tuner_state is not None:
+        engine.tuner.load_state_dict(tuner_state)
     params = [SamplingParams(n=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
                              seed=repeat * 1000 + i) for i in range(len(prompts))]
     start = time.perf_counter()
@@ -50,7 +58,10 @@ def run_tlt(model, prompts, args, repeat: int) -> dict:
     lengths = [len(c.token_ids) for o in outputs for c in o.outputs]
     stats = engine.stats()
     return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
-            "times": _cumulative(stats["step_times_s"]), "batch_sizes": stats["batch_sizes"]}
+            "times": _cumulative(stats["step_times_s"]), "batch_sizes": stats["batch_sizes"],
+            "strategies": stats["strategies"], "acceptance_length": stats["acceptance_length"],
+            "tuner_state": engine.tuner.state_dict() if engine.tuner is not None else None,
+            "tuner": stats.get("tuner")}
 
 
 def run_hf(hf_model, prompts, args, eos_id: int, pad_id: int, repeat: int) -> dict:
@@ -87,8 +98,12 @@ def _cumulative(xs):
 def summarize(runs: list[dict]) -> dict:
     wall = statistics.median(r["wall_s"] for r in runs)
     tokens = statistics.median(r["tokens"] for r in runs)
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
-            "runs_wall_s": [r["wall_s"] for r in runs]}
+    out = {"wall_s": wall, "tokens": tokens, "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+           "runs_wall_s": [r["wall_s"] for r in runs]}
+    accepted = [r["acceptance_length"] for r in runs if r.get("acceptance_length") is not None]
+    if accepted:
+        out["acceptance_length"] = statistics.median(accepted)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,15 +111,33 @@ def run(args: argparse.Namespace) -> int:
 
     from tlt.model import load_model
     from tlt.model.checkpoint import atomic_write_json, resolve_model_path
-    from tlt.plots import live_batch
+    from tlt.plots import live_batch, strategy_by_batch
     from tlt.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = resolve_model_path(args.model)
     model, tokenizer = load_model(folder), load_tokenizer(folder)
+    from tlt.rollout import EngineConfig
+    from tlt.speculative import Drafter
+
     prompts = workload(args, tokenizer)
     systems = {"tlt_off": lambda r: run_tlt(model, prompts, args, r)}
+    strategies = [x for x in args.strategies.split(",") if x]
+    drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive else None
+    for name in strategies:
+        config = EngineConfig(speculative="on", strategy=name, drafter=drafter)
+        systems[f"tlt_{name}"] = lambda r, config=config: run_tlt(model, prompts, args, r, config)
+    if args.adaptive:
+        carried = {}
+
+        def adaptive(r):
+            result = run_tlt(model, prompts, args, r, EngineConfig(speculative="adaptive", drafter=drafter),
+                             carried.get("state"))
+            carried["state"] = result["tuner_state"]
+            return result
+
+        systems["tlt_adaptive"] = adaptive
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -124,16 +157,35 @@ def run(args: argparse.Namespace) -> int:
     ratios = {}
     if "hf" in rows:
         ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
-    print(f"{'system':10s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s}")
+    fixed = {name: row for name, row in rows.items() if name.startswith("tlt_") and name != "tlt_adaptive"}
+    best = min(fixed, key=lambda name: fixed[name]["wall_s"])
+    ratios["best_fixed"] = best
+    if "tlt_adaptive" in rows:
+        adaptive = rows["tlt_adaptive"]["wall_s"]
+        ratios["adaptive_vs_off"] = rows["tlt_off"]["wall_s"] / adaptive
+        ratios["adaptive_vs_best_fixed"] = fixed[best]["wall_s"] / adaptive
+        if "hf" in rows:
+            ratios["adaptive_vs_hf"] = rows["hf"]["wall_s"] / adaptive
+    for name in fixed:
+        if name != "tlt_off":
+            ratios[f"{name.removeprefix('tlt_')}_vs_off"] = rows["tlt_off"]["wall_s"] / fixed[name]["wall_s"]
+    width = max(map(len, rows))
+    print(f"{'system':{width}s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s} {'accept':>7s}")
     for name, row in rows.items():
-        print(f"{name:10s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f}")
+        accept = f"{row['acceptance_length']:7.2f}" if "acceptance_length" in row else f"{'-':>7s}"
+        print(f"{name:{width}s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f} {accept}")
     for k, v in ratios.items():
-        print(f"{k} = {v:.2f}")
+        print(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}")
     lengths = sorted(results["tlt_off"][0]["lengths"])
     print(f"response lengths (tlt run 1): median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
     last = {name: (runs[-1]["times"], runs[-1]["batch_sizes"]) for name, runs in results.items()}
     png = live_batch(last, args.plot, f"{args.prompts} prompts x {args.samples} samples, default model")
     print(f"wrote {png}")
+    if "tlt_adaptive" in results:
+        run = results["tlt_adaptive"][-1]
+        png = strategy_by_batch(run["batch_sizes"], run["strategies"], Path(args.plot).with_name("rollout_strategy.png"))
+        print(f"wrote {png}")
+        rows["tlt_adaptive"]["tuner"] = run["tuner"]
     if args.json:
         atomic_write_json(Path(args.json), {
             "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},

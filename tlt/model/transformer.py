@@ -77,7 +77,9 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         if cache is not None:
             k, v = cache.write(layer, k, v)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        # mask None means plain causal attention over the T tokens (no padding, packing or cache).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
 
@@ -142,6 +144,12 @@ def cached_mask(lengths: torch.Tensor, tree: torch.Tensor, valid: torch.Tensor, 
     return ((rel < 0)[:, None, :] | seen | itself)[:, None]
 
 
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean mask as the additive float mask attention uses, built once per forward rather
+    than converted again in every layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
 class Transformer(nn.Module):
     """A Llama-family causal LM. See the module docstring for the two forward modes."""
 
@@ -199,7 +207,8 @@ class Transformer(nn.Module):
                 position_ids_used = position_ids
             if position_ids_used is None:
                 position_ids_used = torch.arange(T, device=device)[None].expand(B, T)
-            mask = training_mask(attention_mask, position_ids, B, T, device)
+            plain = attention_mask is None and (position_ids is None or not bool((position_ids[:, 1:] == 0).any()))
+            mask = None if plain else additive(training_mask(attention_mask, position_ids, B, T, device), x.dtype)
         else:
             valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
             if tree_mask is None:
@@ -209,7 +218,7 @@ class Transformer(nn.Module):
             tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
             base = cache.lengths
             position_ids_used = base[:, None] + torch.arange(T, device=device) if position_ids is None else position_ids
-            mask = cached_mask(base, tree, valid, cache.max_length + T)
+            mask = additive(cached_mask(base, tree, valid, cache.max_length + T), x.dtype)
         cos, sin = rope_tables(position_ids_used, self.inv_freq, self.rope_scaling_factor, x.dtype)
         wanted = set(output_layers)
         layer_states = {}

@@ -40,8 +40,9 @@ class EngineConfig:
     (None: unlimited); cache_block: KV cache capacity granularity; seed: draws seeds for requests
     without one (None: fresh entropy); progress: None shows a bar when stderr is a terminal.
     speculative: "off", "on" (every step uses `strategy`, a Strategy or its name such as
-    "tree-d6-k4-v24") or "adaptive"; drafter: a Drafter, a drafter folder or "default" (needed by
-    chain and tree strategies)."""
+    "tree-d6-k4-v24") or "adaptive" (a tuner picks each step's strategy by live batch size; tuner: a
+    TunerConfig, max_draft_tokens: the memory guard on draft tokens x live rows); drafter: a Drafter,
+    a drafter folder or "default" (needed by chain and tree strategies)."""
 
     max_batch_size: int = 256
     kv_budget_tokens: int | None = None
@@ -51,6 +52,8 @@ class EngineConfig:
     speculative: str = "off"
     strategy: object | None = None
     drafter: object | None = None
+    tuner: object | None = None
+    max_draft_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.speculative not in ("off", "on", "adaptive"):
@@ -130,6 +133,7 @@ class RolloutEngine:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config.max_batch_size, self.config.kv_budget_tokens)
+        self.log_lines: list[str] = []
         self.decoder = self._make_decoder()
         self.batch: LiveBatch | None = None
         self._stats = EngineStats()
@@ -153,9 +157,22 @@ class RolloutEngine:
         drafter = self.config.drafter
         if drafter is not None and not isinstance(drafter, Drafter):
             drafter = Drafter.load(drafter, self.model)
-        if self.config.speculative == "adaptive":
-            raise ConfigError("speculative='adaptive' is not available yet; use 'on' with a fixed strategy")
-        return SpeculativeDecoder(self.model, drafter, strategy)
+        if self.config.speculative == "on":
+            return SpeculativeDecoder(self.model, drafter, strategy)
+        from tlt.adaptive import AdaptiveDecoder, Tuner, TunerConfig
+
+        tuner = Tuner(self.config.tuner or TunerConfig(), log=self._log)
+        return AdaptiveDecoder(SpeculativeDecoder(self.model, drafter, Strategy(kind="off")), tuner,
+                               self.config.max_draft_tokens)
+
+    def _log(self, message: str) -> None:
+        self.log_lines.append(message)
+
+    @property
+    def tuner(self):
+        """The adaptive engine's tuner (None unless speculative="adaptive"); its state_dict() and
+        load_state_dict() carry it across RL steps and runs."""
+        return getattr(self.decoder, "tuner", None)
 
     # --- public API --------------------------------------------------------------------------------
     def generate(
@@ -192,7 +209,10 @@ class RolloutEngine:
         ]
 
     def stats(self) -> dict:
-        return self._stats.as_dict()
+        out = self._stats.as_dict()
+        if self.tuner is not None:
+            out["tuner"] = self.tuner.stats()
+        return out
 
     def reset_stats(self) -> None:
         self._stats = EngineStats()

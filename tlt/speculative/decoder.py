@@ -29,46 +29,62 @@ from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, w
 
 
 class DraftState:
-    """Per live row: the drafter's KV cache and the target-feature pairs it has not consumed yet."""
+    """Per live row: the drafter's KV cache and the (target feature, token) pairs it has not consumed
+    yet, right-padded: features [B, M, H], tokens [B, M], `count` [B] pairs per row, the first of
+    them at position `start` [B] (pairs of a row are consecutive)."""
 
-    def __init__(self, cache, pending: list[tuple[torch.Tensor, list[int], int]]) -> None:
-        self.cache = cache
-        self.pending = pending  # row -> (features [m, H], tokens [m], position of the first pair)
+    def __init__(self, cache, features: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
+                 start: torch.Tensor) -> None:
+        self.cache, self.features, self.tokens, self.count, self.start = cache, features, tokens, count, start
 
-    def add(self, row: int, features: torch.Tensor, tokens: list[int], position: int) -> None:
-        feats, toks, start = self.pending[row]
-        if not toks:
-            self.pending[row] = (features, list(tokens), position)
-        else:
-            self.pending[row] = (torch.cat([feats, features]), toks + list(tokens), start)
+    def add(self, features: torch.Tensor, tokens: torch.Tensor, k: torch.Tensor, position: torch.Tensor) -> None:
+        """Append k[b] pairs per row (features [B, K, H], tokens [B, K]); `position` [B] is where they
+        start, used when the row had nothing pending."""
+        B, K = tokens.shape
+        width = int((self.count + k).max())
+        if width > self.tokens.shape[1]:
+            grow = width - self.tokens.shape[1]
+            self.features = torch.cat([self.features, self.features.new_zeros(B, grow, self.features.shape[2])], 1)
+            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(B, grow)], 1)
+        slot = self.count[:, None] + torch.arange(K, device=tokens.device)  # [B, K]
+        ok = torch.arange(K, device=tokens.device)[None] < k[:, None]  # [B, K]
+        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, K)
+        self.features[rows[ok], slot[ok]] = features[ok].to(self.features.dtype)
+        self.tokens[rows[ok], slot[ok]] = tokens[ok]
+        self.start = torch.where(self.count == 0, position, self.start)
+        self.count = self.count + k
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select_rows(rows)
-        self.pending = [self.pending[r] for r in rows.tolist()]
+        self.features, self.tokens = self.features[rows], self.tokens[rows]
+        self.count, self.start = self.count[rows], self.start[rows]
 
     def extend(self, other: "DraftState") -> None:
         from tlt.model.kv_cache import KVCache
 
         self.cache = KVCache.concat([self.cache, other.cache])
-        self.pending = self.pending + other.pending
+        width = max(self.tokens.shape[1], other.tokens.shape[1])
+        self.features = torch.cat([_widen(self.features, width), _widen(other.features, width)])
+        self.tokens = torch.cat([_widen(self.tokens, width), _widen(other.tokens, width)])
+        self.count, self.start = torch.cat([self.count, other.count]), torch.cat([self.start, other.start])
 
-    def take(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded pending pairs (features [B, M, H], tokens [B, M], positions [B, M], valid [B, M]),
-        plus each row's count [B]; pending is emptied."""
-        counts = torch.tensor([len(t) for _, t, _ in self.pending], device=device)
-        M = int(counts.max())
-        H = self.pending[0][0].shape[-1]
-        B = len(self.pending)
-        feats = torch.zeros(B, M, H, dtype=self.pending[0][0].dtype, device=device)
-        tokens = torch.zeros(B, M, dtype=torch.long, device=device)
-        starts = torch.tensor([s for _, _, s in self.pending], device=device)
-        for b, (f, t, _) in enumerate(self.pending):
-            feats[b, : len(t)] = f
-            tokens[b, : len(t)] = torch.tensor(t, device=device)
-        positions = starts[:, None] + torch.arange(M, device=device)
-        valid = torch.arange(M, device=device)[None] < counts[:, None]
-        self.pending = [(feats[b, :0], [], 0) for b in range(B)]
-        return feats, tokens, positions, valid, counts
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pending pairs (features [B, M, H], tokens [B, M], positions [B, M], valid [B, M], count
+        [B]); pending is emptied."""
+        M = int(self.count.max())
+        arange = torch.arange(M, device=self.count.device)
+        out = (self.features[:, :M], self.tokens[:, :M], self.start[:, None] + arange,
+               arange[None] < self.count[:, None], self.count)
+        self.features, self.tokens = self.features[:, :0], self.tokens[:, :0]
+        self.count = torch.zeros_like(self.count)
+        return out
+
+
+def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad dim 1 of t ([B, M] or [B, M, H]) to `width`."""
+    shape = list(t.shape)
+    shape[1] = width - shape[1]
+    return torch.cat([t, t.new_zeros(shape)], 1)
 
 
 class SpeculativeDecoder:
@@ -96,9 +112,9 @@ class SpeculativeDecoder:
         cache.fork(counts)
         rows = torch.arange(G, device=ids.device)
         last = feats[rows, lengths - 1].repeat_interleave(counts, 0)  # [N, H]
-        pos = (lengths - 1).repeat_interleave(counts, 0).tolist()
-        first = batch.last_tokens.tolist()
-        batch.draft = DraftState(cache, [(last[b : b + 1], [first[b]], pos[b]) for b in range(len(first))])
+        pos = (lengths - 1).repeat_interleave(counts, 0)  # [N]
+        batch.draft = DraftState(cache, last[:, None], batch.last_tokens[:, None].clone(),
+                                 torch.ones_like(pos), pos)
 
     def decode(self, batch, strategy: Strategy | None = None) -> DecodeResult:
         strategy = strategy or self.strategy
@@ -127,7 +143,7 @@ class SpeculativeDecoder:
 
     def _catch_up(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume pending pairs; return the drafter's feature and logits after each row's last pair."""
-        feats, tokens, positions, valid, counts = batch.draft.take(batch.keys.device)
+        feats, tokens, positions, valid, counts = batch.draft.take()
         f_hat, logits = self.drafter(tokens, feats, positions, cache=batch.draft.cache, attention_mask=valid)
         rows = torch.arange(len(counts), device=counts.device)
         return f_hat[rows, counts - 1], logits[rows, counts - 1]
@@ -180,6 +196,10 @@ class SpeculativeDecoder:
         if self.drafter is None:
             return
         feats = self.drafter.target_features(out.hidden_states, out.layer_states)  # [B, N, H]
-        for b, (v, e) in enumerate(zip(visited, emitted)):
-            batch.draft.add(b, feats[b, v], e, int(base[b]))
+        K = max(map(len, emitted))
+        k = torch.tensor([len(e) for e in emitted], device=base.device)
+        nodes = torch.tensor([v + [0] * (K - len(v)) for v in visited], device=base.device)  # [B, K]
+        tokens = torch.tensor([e + [0] * (K - len(e)) for e in emitted], device=base.device)  # [B, K]
+        picked = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))  # [B, K, H]
+        batch.draft.add(picked, tokens, k, base)
 

@@ -30,7 +30,7 @@ from torch import nn
 from tlt.errors import CheckpointError
 from tlt.model.kv_cache import KVCache
 from tlt.model.rope import rope_tables
-from tlt.model.transformer import DecoderLayer, RMSNorm, Transformer, cached_mask, training_mask
+from tlt.model.transformer import DecoderLayer, RMSNorm, Transformer, additive, cached_mask, training_mask
 
 
 @dataclass(frozen=True)
@@ -120,12 +120,12 @@ class Drafter(nn.Module):
         x = self.fc(torch.cat([embedded.to(features.dtype), features], dim=-1))  # [B, T, H]
         B, T = tokens.shape
         if cache is None:
-            mask = training_mask(attention_mask, position_ids, B, T, x.device)
+            mask = additive(training_mask(attention_mask, position_ids, B, T, x.device), x.dtype)
         else:
             valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
             tree = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if tree_mask is None else tree_mask.bool()
             tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
-            mask = cached_mask(cache.lengths, tree, valid, cache.max_length + T)
+            mask = additive(cached_mask(cache.lengths, tree, valid, cache.max_length + T), x.dtype)
         cos, sin = rope_tables(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
         f_hat = self.norm(self.layer(x, cos, sin, mask, cache, 0))  # [B, T, H]
         if cache is not None:

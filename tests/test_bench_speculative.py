@@ -1,0 +1,80 @@
+"""Smoke test of `tlt bench speculative`: the measuring function runs every strategy on a tiny random
+model and drafter, and writes the documented record."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from tlt.bench import speculative
+from tlt.model.checkpoint import atomic_write_json
+
+STRATEGIES = ["off", "tree-d3-k2-v4", "ngram-d3"]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops on a shared machine run fastest, and steadiest, on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny_folders(tmp_path):
+    """(model folder with the character tokenizer, drafter folder) of a random model and drafter."""
+    from tlt.model import ModelConfig, Transformer
+    from tlt.speculative import Drafter
+    from tlt.tasks import CharTokenizer
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = Transformer(config).eval()
+    model_dir, drafter_dir = tmp_path / "model", tmp_path / "drafter"
+    model.save_pretrained(model_dir)
+    CharTokenizer().save_pretrained(model_dir)
+    Drafter.from_target(model, seed=1).save(drafter_dir)
+    return model_dir, drafter_dir
+
+
+def test_measure_runs_every_strategy_and_fills_the_record(tiny_folders, tmp_path, one_thread):
+    model_dir, drafter_dir = tiny_folders
+    record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1, 2], strategies=STRATEGIES, max_tokens=16,
+                                 repeats=1, skip_hf=True, command=["tlt", "bench", "speculative"], log=lambda s: None)
+    atomic_write_json(tmp_path / "bench.json", record)
+    record = json.loads((tmp_path / "bench.json").read_text())
+
+    assert set(record) == {"config", "rows", "ratios"}
+    config = record["config"]
+    assert config["command"] == "tlt bench speculative"
+    assert (config["batch_sizes"], config["strategies"], config["max_tokens"]) == ([1, 2], STRATEGIES, 16)
+    assert [(r["batch"], r["strategy"]) for r in record["rows"]] == [(b, s) for b in (1, 2) for s in STRATEGIES]
+    for row in record["rows"]:
+        assert {"batch", "strategy", "acceptance_length", "tokens_per_s", "speedup_vs_off", "wall_s", "tokens"} <= set(row)
+        assert row["tokens"] > 0 and row["wall_s"] > 0 and row["tokens_per_s"] > 0 and row["speedup_vs_off"] > 0
+        if row["strategy"] == "off":
+            assert row["acceptance_length"] is None and row["speedup_vs_off"] == 1.0
+        else:
+            assert row["acceptance_length"] >= 1
+    ratios = record["ratios"]
+    assert set(ratios["speedup_vs_off"]) == {"tree-d3-k2-v4", "ngram-d3"}
+    assert set(ratios["best_by_batch"]) == {"1", "2"}
+    assert ratios["best_by_batch"]["1"]["strategy"] in STRATEGIES
+    assert ratios["tree_strategy"] == "tree-d3-k2-v4" and ratios["tree_vs_off_batch1"] > 0
+    assert "vs off" in speculative.format_table(record["rows"])
+
+
+def test_options_parse_lists():
+    parser = argparse.ArgumentParser()
+    speculative.add_arguments(parser)
+    args = parser.parse_args(["--batch-sizes", "1,2", "--strategies", "off,ngram-d3", "--skip-hf"])
+    assert args.batch_sizes == [1, 2] and args.strategies == ["off", "ngram-d3"] and args.skip_hf
+    defaults = parser.parse_args([])
+    assert defaults.batch_sizes == [1, 4, 16, 64] and defaults.strategies == list(speculative.STRATEGIES)
+    assert (defaults.model, defaults.drafter, defaults.max_tokens, defaults.repeats) == ("default", "default", 640, 3)

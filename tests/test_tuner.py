@@ -1,0 +1,238 @@
+"""The BEG-MAB tuner on synthetic reward streams: each arm earns lognormal noise around a mean that
+depends on the batch-size bucket, so the true best arm of every bucket is known."""
+
+import json
+import math
+import random
+
+import pytest
+
+from tlt.adaptive import Tuner, TunerConfig
+from tlt.config import from_dict
+from tlt.errors import ConfigError
+
+ARMS = TunerConfig().arms  # off, ngram-d4, chain-d3, chain-d5, tree-d4-k2-v8, tree-d6-k4-v24, tree-d8-k4-v48
+
+# Mean tokens/s per arm at three batch sizes in different buckets; the best leads the runner-up by
+# 25% (the noise is 25%), and every arm but "off" (never pruned) earns over 0.6x the best, so
+# default pruning keeps them. Deep trees win at batch 1, a small tree at batch 8, plain decoding at 64.
+MEANS = {
+    1: dict(zip(ARMS, (40, 70, 75, 80, 75, 88, 110))),
+    8: dict(zip(ARMS, (200, 210, 230, 220, 290, 232, 180))),
+    64: dict(zip(ARMS, (900, 720, 700, 680, 660, 620, 560))),
+}
+
+
+def noisy(rng: random.Random, mean: float, sigma: float = 0.25) -> float:
+    return mean * math.exp(rng.gauss(0.0, sigma))
+
+
+def best_of(means: dict) -> str:
+    return max(means, key=means.get)
+
+
+def run(tuner: Tuner, batch_size: int, means: dict, steps: int, rng: random.Random, allowed=None) -> list[str]:
+    choices = []
+    for _ in range(steps):
+        arm = tuner.choose(batch_size, allowed)
+        tuner.update(batch_size, arm, noisy(rng, means[arm]))
+        choices.append(arm)
+    return choices
+
+
+def test_bucket_of_uses_upper_bounds_and_an_open_last_bucket():
+    tuner = Tuner(TunerConfig())
+    sizes = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 1000]
+    assert [tuner.bucket_of(b) for b in sizes] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    assert [tuner.label(i) for i in range(7)] == ["1", "2", "3-4", "5-8", "9-16", "17-32", ">32"]
+    with pytest.raises(ValueError, match="batch_size"):
+        tuner.bucket_of(0)
+
+
+def test_converges_to_the_best_arm_of_each_bucket():
+    config = TunerConfig()
+    tuner, rng = Tuner(config), random.Random(1)
+    late = {b: [] for b in MEANS}
+    for step in range(1500):
+        for b, means in MEANS.items():
+            arm = run(tuner, b, means, 1, rng)[0]
+            if step >= 1000:
+                late[b].append(arm)
+    for b, means in MEANS.items():
+        assert tuner.best(b) == best_of(means), b
+        hit = late[b].count(best_of(means)) / len(late[b])
+        assert hit >= 1 - config.epsilon - 0.05, (b, hit)
+    stats = tuner.stats()["buckets"]
+    assert stats[tuner.bucket_of(64)]["best"] == "off"
+    assert sum(stats[tuner.bucket_of(1)]["choices"].values()) == 1500
+    assert stats[tuner.bucket_of(2)]["steps"] == 0  # buckets never visited stay empty
+
+
+def swapped(means: dict, a: str, b: str) -> dict:
+    out = dict(means)
+    out[a], out[b] = means[b], means[a]
+    return out
+
+
+@pytest.mark.parametrize("change", ["swap", "rise"])
+def test_follows_a_change_of_best_arm(change):
+    """A rarely explored arm becomes the best: the two leading means swap, or the drafter improved and
+    only that arm rose ("rise"). With decay, a few fresh exploration rewards outweigh the arm's stale
+    window, so the tuner follows within a few hundred steps."""
+    after = {**MEANS[1], "chain-d3": 200}
+    if change == "swap":
+        after["tree-d8-k4-v48"] = 60
+    tuner, rng = Tuner(TunerConfig(decay=0.99)), random.Random(2)
+    run(tuner, 1, MEANS[1], 1500, rng)
+    assert tuner.best(1) == "tree-d8-k4-v48"
+    choices = run(tuner, 1, after, 400, rng)
+    assert tuner.best(1) == "chain-d3"
+    tail = choices[-100:]
+    assert tail.count("chain-d3") / len(tail) >= 0.8
+
+
+def test_without_decay_a_risen_arm_waits_for_half_its_window():
+    """Why decay exists: with decay = 1 the risen arm's median moves only once new rewards are half
+    its window, and they arrive at the exploration rate (epsilon / arms per step)."""
+    tuner, rng = Tuner(TunerConfig(decay=1.0)), random.Random(2)
+    run(tuner, 1, MEANS[1], 1500, rng)
+    run(tuner, 1, {**MEANS[1], "chain-d3": 200}, 400, rng)
+    assert tuner.best(1) == "tree-d8-k4-v48"
+
+
+def test_rewards_older_than_the_window_drop_out():
+    """With decay = 1 only the window forgets: once the greedy arm's window is mostly new rewards its
+    median follows them, so a 30-sample window drops a collapsed leader within 80 steps and a
+    300-sample window does not."""
+    for window, kept in ((30, False), (300, True)):
+        tuner, rng = Tuner(TunerConfig(decay=1.0, window=window)), random.Random(3)
+        run(tuner, 1, MEANS[1], 600, rng)
+        assert tuner.best(1) == "tree-d8-k4-v48"
+        run(tuner, 1, {**MEANS[1], "tree-d8-k4-v48": 50}, 80, rng)
+        assert (tuner.best(1) == "tree-d8-k4-v48") == kept, window
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.2])
+def test_epsilon_sets_the_exploration_rate(epsilon):
+    tuner, rng = Tuner(TunerConfig(epsilon=epsilon, seed=5)), random.Random(5)
+    means = MEANS[8]
+    run(tuner, 8, means, len(ARMS), rng)  # the untried-first sweep
+    steps, off_greedy = 3000, 0
+    for _ in range(steps):
+        greedy = tuner.best(8)
+        arm = tuner.choose(8)
+        off_greedy += arm != greedy
+        tuner.update(8, arm, noisy(rng, means[arm]))
+    # an exploration draw is uniform over all arms, so it lands on the greedy arm 1 time in len(ARMS)
+    assert off_greedy / steps == pytest.approx(epsilon * (1 - 1 / len(ARMS)), abs=0.03)
+    explored = tuner.stats()["buckets"][tuner.bucket_of(8)]["explored"]
+    assert explored / steps == pytest.approx(epsilon, abs=0.03)
+    if epsilon == 0:
+        assert off_greedy == 0 and explored == 0
+
+
+def test_untried_arms_come_first_in_config_order():
+    tuner, rng = Tuner(TunerConfig(epsilon=1.0)), random.Random(0)
+    assert run(tuner, 1, MEANS[1], len(ARMS), rng) == list(ARMS)
+    # buckets are independent: a new bucket sweeps its untried arms again, `allowed` ones only
+    assert run(tuner, 64, MEANS[64], 2, rng, allowed=lambda a: a.startswith("tree")) == ["tree-d4-k2-v8", "tree-d6-k4-v24"]
+    # an arm chosen but never rewarded stays untried
+    assert tuner.choose(8) == tuner.choose(8) == "off"
+
+
+def test_same_seed_same_choices_and_different_seed_differs():
+    def choices(seed):
+        return run(Tuner(TunerConfig(seed=seed)), 1, MEANS[1], 600, random.Random(9))
+
+    assert choices(3) == choices(3)
+    assert choices(3) != choices(4)
+
+
+def test_state_dict_round_trips_through_json_and_continues_identically():
+    logged = []
+    original, rng = Tuner(TunerConfig(prune_after=5, prune_ratio=0.6), log=logged.append), random.Random(4)
+    means = {**MEANS[1], "off": 20}
+    for b in (1, 8, 64):
+        run(original, b, means if b == 1 else MEANS[b], 300, rng)
+    state = json.loads(json.dumps(original.state_dict()))
+    restored = Tuner.from_state_dict(state)
+    loaded = Tuner(TunerConfig(prune_after=5, prune_ratio=0.6))
+    loaded.load_state_dict(state)
+    assert restored.stats() == original.stats() == loaded.stats()
+    streams = [random.Random(7) for _ in range(3)]
+    futures = [[run(t, b, MEANS[b], 1, s)[0] for _ in range(200) for b in (1, 8, 64)]
+               for t, s in zip((original, restored, loaded), streams)]
+    assert futures[0] == futures[1] == futures[2]
+    assert original.state_dict() == restored.state_dict() == loaded.state_dict()
+
+
+def test_load_state_dict_rejects_another_config():
+    state = Tuner(TunerConfig(epsilon=0.2)).state_dict()
+    with pytest.raises(ConfigError, match="epsilon"):
+        Tuner(TunerConfig()).load_state_dict(state)
+    with pytest.raises(ConfigError, match="version"):
+        Tuner.from_state_dict({**state, "version": 99})
+
+
+def test_pruning_drops_a_clearly_bad_arm_but_never_off_and_logs_it():
+    logged = []
+    tuner = Tuner(TunerConfig(epsilon=0.3, prune_after=10, prune_ratio=0.5), log=logged.append)
+    means = {**MEANS[1], "off": 10, "tree-d4-k2-v8": 20}  # off and tree-d4 earn far below half of 110
+    rng = random.Random(6)
+    run(tuner, 1, means, 800, rng)
+    pruned = tuner.stats()["buckets"][0]["pruned"]
+    assert set(pruned) == {"tree-d4-k2-v8"}
+    assert pruned["tree-d4-k2-v8"]["best"] == "tree-d8-k4-v48"
+    assert pruned["tree-d4-k2-v8"]["median"] < 0.5 * pruned["tree-d4-k2-v8"]["best_median"]
+    assert len(logged) == 1 and "tree-d4-k2-v8" in logged[0] and "bucket 1" in logged[0]
+    later = run(tuner, 1, means, 300, rng)
+    assert "tree-d4-k2-v8" not in later and "off" in later  # explored, never pruned
+    assert tuner.choose(8) == "off" and "tree-d4-k2-v8" in run(tuner, 8, MEANS[8], len(ARMS), rng)  # per bucket
+
+
+def test_prune_ratio_zero_disables_pruning():
+    tuner = Tuner(TunerConfig(epsilon=0.3, prune_after=5, prune_ratio=0.0))
+    run(tuner, 1, {**MEANS[1], "tree-d4-k2-v8": 1}, 400, random.Random(6))
+    assert tuner.stats()["buckets"][0]["pruned"] == {}
+
+
+def test_allowed_excludes_arms_from_every_branch():
+    tuner, rng = Tuner(TunerConfig(epsilon=0.5)), random.Random(8)
+    no_drafter = lambda a: a == "off" or a.startswith("ngram")  # noqa: E731
+    choices = run(tuner, 4, MEANS[8], 400, rng, allowed=no_drafter)
+    assert set(choices) == {"off", "ngram-d4"}
+    # the bucket's greedy arm is excluded once the guard tightens
+    run(tuner, 4, MEANS[8], 400, rng)
+    assert tuner.best(4) == "tree-d4-k2-v8"
+    assert "tree-d4-k2-v8" not in run(tuner, 4, MEANS[8], 200, rng, allowed=lambda a: a != "tree-d4-k2-v8")
+    with pytest.raises(ValueError, match="allowed"):
+        tuner.choose(4, allowed=lambda a: False)
+
+
+def test_update_rejects_bad_input():
+    tuner = Tuner(TunerConfig())
+    with pytest.raises(ValueError, match="unknown arm"):
+        tuner.update(1, "chain-d9", 1.0)
+    for reward in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="reward"):
+            tuner.update(1, "off", reward)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("buckets", (4, 2)), ("buckets", (0, 4)), ("buckets", (1.5,)), ("buckets", "1,2"),
+    ("arms", ()), ("arms", ("off", "bogus-d3")), ("arms", ("off", "chain-x3")), ("arms", ("off", "chain-d03")),
+    ("arms", ("chain-d3",)), ("arms", ("off", "off")), ("epsilon", 1.5), ("epsilon", -0.1),
+    ("window", 0), ("window", 2.5), ("decay", 0.0), ("decay", 1.2), ("decay", float("nan")),
+    ("seed", "x"), ("seed", True), ("prune_after", 0), ("prune_ratio", 1.0), ("prune_ratio", -0.5),
+])
+def test_config_rejects_bad_fields_naming_them(field, value):
+    with pytest.raises(ConfigError, match=field):
+        TunerConfig(**{field: value})
+
+
+def test_config_from_dict_coerces_and_rejects_unknown_keys():
+    config = from_dict(TunerConfig, {"buckets": "1,4,16", "arms": "off,chain-d3", "decay": "1", "seed": "none"})
+    assert config == TunerConfig(buckets=(1, 4, 16), arms=("off", "chain-d3"), decay=1.0, seed=None)
+    assert TunerConfig(buckets=[1, 4]).buckets == (1, 4)
+    with pytest.raises(ConfigError, match="epsilom"):
+        from_dict(TunerConfig, {"epsilom": 0.1})

@@ -1,0 +1,58 @@
+"""Adaptive speculative decoding: each step's strategy is chosen by the tuner from the live batch size.
+
+The live batch of a rollout sweeps from large (where speculation costs more than it saves) to tiny
+(where it wins most), and the best draft shape also moves with the drafter's quality. So every step
+asks the bucketed bandit (tuner.py) for an arm, runs the speculative decoder with that strategy, and
+pays the arm back with the step's accepted tokens per second (tokens emitted / decode time). "off" is
+an arm like any other, so the batch size at which speculation switches on is measured, not guessed.
+
+Switching is free of target work: the speculative decoder feeds the drafter's pending pairs from every
+step, plain ones included, and a drafter arm consumes them before drafting. A memory guard excludes
+arms whose verification would hold more than `max_draft_tokens` draft tokens (nodes x live rows), and
+arms that need a drafter are excluded when none is loaded.
+
+Seam for accelerators: `Strategy` arms are hashable and the tuner buckets batch sizes, so a GPU runner
+can capture one graph per (bucket, arm) it is actually used at; nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tlt.adaptive.tuner import Tuner
+from tlt.speculative.decoder import SpeculativeDecoder
+from tlt.speculative.strategy import Strategy
+
+
+def draft_tokens(strategy: Strategy) -> int:
+    """Tokens one row sends through verification under `strategy` (root included)."""
+    if strategy.kind == "off":
+        return 1
+    if strategy.kind == "tree":
+        return 1 + strategy.verify_tokens
+    return 1 + strategy.depth
+
+
+class AdaptiveDecoder:
+    def __init__(self, spec: SpeculativeDecoder, tuner: Tuner, max_draft_tokens: int = 8192) -> None:
+        self.spec, self.tuner, self.max_draft_tokens = spec, tuner, max_draft_tokens
+        self.strategies = {name: Strategy.parse(name) for name in tuner.config.arms}
+        self.output_layers = spec.output_layers
+
+    def allowed(self, name: str, batch_size: int) -> bool:
+        strategy = self.strategies[name]
+        if strategy.uses_drafter and self.spec.drafter is None:
+            return False
+        return strategy.kind == "off" or draft_tokens(strategy) * batch_size <= self.max_draft_tokens
+
+    def prefill(self, batch, ids, lengths, out, counts) -> None:
+        self.spec.prefill(batch, ids, lengths, out, counts)
+
+    def decode(self, batch):
+        size = len(batch)
+        arm = self.tuner.choose(size, allowed=lambda name: self.allowed(name, size))
+        start = time.perf_counter()
+        result = self.spec.decode(batch, self.strategies[arm])
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        self.tuner.update(size, arm, sum(map(len, result.tokens)) / elapsed)
+        return result

@@ -1,0 +1,329 @@
+"""BEG-MAB: the bucketed epsilon-greedy multi-armed bandit that picks each decode step's strategy.
+
+Arms are strategy names ("off", "ngram-d4", "tree-d6-k4-v24", ...). What an arm earns depends mostly on
+the live batch size: verifying 48 tree nodes per row is nearly free at batch 1 and ruinous at batch 64.
+So the tuner keeps one independent bandit per batch-size bucket. `buckets` are upper bounds: a batch
+of size b falls in the first bucket whose bound is >= b, and one open bucket past the last bound
+catches everything larger. (1, 2, 4, 8, 16, 32) gives buckets 1 | 2 | 3-4 | 5-8 | 9-16 | 17-32 | >32.
+
+Inside a bucket, `choose` is epsilon-greedy:
+1. Untried arms first, in config order (an untried arm scores +inf), so every arm is measured once
+   before any is trusted.
+2. With probability `epsilon`, a uniformly random arm (the greedy one included).
+3. Otherwise the arm with the best score, ties going to the arm listed first.
+Only arms not pruned from the bucket and accepted by the caller's `allowed` predicate compete: the
+engine uses it for a memory guard (draft tokens x batch) and to drop drafter arms when no drafter is
+loaded.
+
+The reward of a step is accepted tokens per second (tokens emitted / step time). An arm's score is the
+median of the last `window` rewards it earned in that bucket: step times are heavy-tailed (a step
+that also prefills, an allocator pause), and a median shrugs them off where a mean would not.
+
+Forgetting (`decay`). The drafter is retrained between RL steps, so what an arm earns drifts, mostly
+upward. Two mechanisms follow it:
+- The window: rewards older than the last `window` samples of an arm drop out.
+- Decay: every reward is stamped with the bucket's step counter (how many rewards the bucket had
+  recorded before it), and the score is the *weighted* median of the window with weight
+  decay ** (counter now - stamp). decay = 1 is the plain sliding-window median; below 1, a reward's
+  say halves every ln 2 / -ln(decay) bucket steps (decay 0.99: about 69).
+The clock is the bucket's, not the arm's. The greedy arm is rewarded nearly every step, so it forgets
+at that rate whatever the clock. An arm that is only explored now and then carries old rewards, spaced
+about (arms / epsilon) steps apart, so its next exploration sample outweighs its stale history: an
+arm that was poor under last step's drafter is re-judged on fresh evidence instead of having to
+re-fill half its window at the exploration rate first. Weights only matter relative to each other
+(the median is unchanged when all weights are scaled), so an arm's score changes only when its own
+window does, and is cached.
+
+Pruning. Once an arm and the bucket's best arm both have at least `prune_after` rewards in their
+windows, an arm scoring below `prune_ratio` x the best score is pruned from that bucket for good: it is
+neither exploited nor explored there again, which stops epsilon from paying for a shape that cannot
+win (a 48-node tree at batch 32). Each pruning is reported through `log` and recorded in `stats()`.
+prune_ratio = 0 disables it.
+
+"off" is an arm in every bucket and is never pruned: the batch size at which speculation starts to pay
+is measured per bucket (and per drafter quality), not guessed as a fixed threshold, and there is
+always an arm left that any guard allows.
+
+State. `state_dict()` is plain JSON (config, windows, counters, the random stream), and a tuner
+restored from it makes the same choices the original would have made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import statistics
+from bisect import bisect_left, bisect_right
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from tlt.config import from_dict
+from tlt.errors import ConfigError
+from tlt.speculative.strategy import Strategy
+
+DEFAULT_ARMS = ("off", "ngram-d4", "chain-d3", "chain-d5", "tree-d4-k2-v8", "tree-d6-k4-v24", "tree-d8-k4-v48")
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    epsilon: float = 0.1
+    window: int = 300
+    decay: float = 0.99
+    seed: int | None = 0
+    prune_after: int = 20
+    prune_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("buckets", "arms"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Sequence):
+                raise ConfigError(f"TunerConfig field {name!r} must be a tuple, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        for b in self.buckets:
+            _check_int("buckets", b, 1)
+        if any(lo >= hi for lo, hi in zip(self.buckets, self.buckets[1:])):
+            raise ConfigError(f"TunerConfig field 'buckets' must be strictly increasing, got {self.buckets}")
+        if not self.arms:
+            raise ConfigError("TunerConfig field 'arms' must name at least one strategy")
+        for arm in self.arms:
+            if not isinstance(arm, str):
+                raise ConfigError(f"TunerConfig field 'arms' must hold strategy names, got {arm!r}")
+            try:
+                canonical = Strategy.parse(arm).name
+            except ConfigError as exc:
+                raise ConfigError(f"TunerConfig field 'arms': {exc}") from None
+            if canonical != arm:
+                raise ConfigError(f"TunerConfig field 'arms': write {arm!r} as {canonical!r}")
+        if len(set(self.arms)) != len(self.arms):
+            raise ConfigError(f"TunerConfig field 'arms' has duplicates: {self.arms}")
+        if "off" not in self.arms:
+            raise ConfigError(f"TunerConfig field 'arms' must include 'off' (the plain-decoding baseline), got {self.arms}")
+        _check_float("epsilon", self.epsilon, 0.0, 1.0)
+        _check_int("window", self.window, 1)
+        _check_float("decay", self.decay, 0.0, 1.0, open_low=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, None)
+        _check_int("prune_after", self.prune_after, 1)
+        _check_float("prune_ratio", self.prune_ratio, 0.0, 1.0, open_high=True)
+
+
+def _check_int(name: str, value, low: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"TunerConfig field {name!r} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ConfigError(f"TunerConfig field {name!r} must be >= {low}, got {value}")
+
+
+def _check_float(name: str, value, low: float, high: float, open_low: bool = False, open_high: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigError(f"TunerConfig field {name!r} must be a number, got {value!r}")
+    if value < low or value > high or (open_low and value == low) or (open_high and value == high):
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise ConfigError(f"TunerConfig field {name!r} must be in {interval}, got {value}")
+
+
+def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The value splitting the total weight in half (weights > 0); midway between the two middle values
+    on an exact split, so equal weights give the ordinary median."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    cumulative = list(accumulate(weights[j] for j in order))
+    half = cumulative[-1] / 2
+    lower = values[order[bisect_left(cumulative, half)]]  # first value whose cumulative weight reaches half
+    upper = values[order[bisect_right(cumulative, half)]]  # first value whose cumulative weight passes half
+    return (lower + upper) / 2
+
+
+def decayed_median(window: Sequence[tuple[int, float]], decay: float) -> float:
+    """Weighted median of (stamp, reward) pairs, weight decay ** (newest stamp - stamp)."""
+    rewards = [r for _, r in window]
+    if decay == 1:
+        return statistics.median(rewards)
+    newest = window[-1][0]
+    return weighted_median(rewards, [decay ** (newest - s) for s, _ in window])
+
+
+class _Bucket:
+    """One bandit: per-arm reward windows, counters and pruning records for one batch-size bucket."""
+
+    def __init__(self, arms: Sequence[str], window: int) -> None:
+        self.clock = 0  # rewards recorded in this bucket; the stamp of the next one
+        self.explored = 0  # choices made by the epsilon branch
+        self.choices = {a: 0 for a in arms}
+        self.windows = {a: deque(maxlen=window) for a in arms}  # arm -> deque of (stamp, reward)
+        self.pruned: dict[str, dict] = {}
+        self.summaries: dict[str, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
+
+
+class Tuner:
+    def __init__(self, config: TunerConfig | None = None, log: Callable[[str], None] | None = None) -> None:
+        self.config = config or TunerConfig()
+        self.log = log or (lambda message: None)
+        self._rng = random.Random(self.config.seed)
+        self._buckets = [_Bucket(self.config.arms, self.config.window) for _ in range(len(self.config.buckets) + 1)]
+
+    # --- the bandit --------------------------------------------------------------------------------
+    def bucket_of(self, batch_size: int) -> int:
+        """Index of the first bucket whose bound is >= batch_size; len(buckets) for the open bucket."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        for i, bound in enumerate(self.config.buckets):
+            if batch_size <= bound:
+                return i
+        return len(self.config.buckets)
+
+    def choose(self, batch_size: int, allowed: Callable[[str], bool] | None = None) -> str:
+        """The arm to run for a step at `batch_size`, among unpruned arms that `allowed` accepts."""
+        i = self.bucket_of(batch_size)
+        bucket = self._buckets[i]
+        candidates = [a for a in self.config.arms
+                      if a not in bucket.pruned and (allowed is None or allowed(a))]
+        if not candidates:
+            raise ValueError(f"no arm is allowed in bucket {self.label(i)}: `allowed` rejected all of "
+                             f"{[a for a in self.config.arms if a not in bucket.pruned]}")
+        untried = [a for a in candidates if not bucket.windows[a]]
+        if untried:
+            arm = untried[0]
+        elif self._rng.random() < self.config.epsilon:
+            arm = candidates[self._rng.randrange(len(candidates))]
+            bucket.explored += 1
+        else:
+            arm = self._greedy(bucket, candidates)
+        bucket.choices[arm] += 1
+        return arm
+
+    def update(self, batch_size: int, arm: str, reward: float) -> None:
+        """Record the reward (accepted tokens per second) that `arm` earned on a step at `batch_size`."""
+        if arm not in self._buckets[0].choices:
+            raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) or reward < 0:
+            raise ValueError(f"reward must be a finite number >= 0 (tokens per second), got {reward!r}")
+        i = self.bucket_of(batch_size)
+        bucket = self._buckets[i]
+        bucket.windows[arm].append((bucket.clock, float(reward)))
+        bucket.clock += 1
+        bucket.summaries.pop(arm, None)
+        self._prune(i)
+
+    def best(self, batch_size: int) -> str | None:
+        """The greedy arm of the bucket (unpruned, with rewards), or None before any reward arrives."""
+        bucket = self._buckets[self.bucket_of(batch_size)]
+        tried = [a for a in self.config.arms if a not in bucket.pruned and bucket.windows[a]]
+        return self._greedy(bucket, tried) if tried else None
+
+    def _score(self, bucket: _Bucket, arm: str) -> float:
+        """Decayed median reward of `arm` in `bucket` (what the greedy choice ranks by); +inf while it has none."""
+        return self._summary(bucket, arm)[0] if bucket.windows[arm] else math.inf
+
+    def _median(self, bucket: _Bucket, arm: str) -> float:
+        """Plain median of the window (what pruning compares)."""
+        return self._summary(bucket, arm)[1]
+
+    def _summary(self, bucket: _Bucket, arm: str) -> tuple[float, float]:
+        if arm not in bucket.summaries:
+            window = bucket.windows[arm]
+            bucket.summaries[arm] = (decayed_median(window, self.config.decay), statistics.median(r for _, r in window))
+        return bucket.summaries[arm]
+
+    def _greedy(self, bucket: _Bucket, arms: list[str]) -> str:
+        return max(arms, key=lambda a: self._score(bucket, a))  # max keeps the first of equal scores
+
+    def _prune(self, i: int) -> None:
+        bucket, c = self._buckets[i], self.config
+        if c.prune_ratio == 0:
+            return
+        ripe = [a for a in c.arms if a not in bucket.pruned and len(bucket.windows[a]) >= c.prune_after]
+        if len(ripe) < 2:
+            return
+        leader = max(ripe, key=lambda a: self._median(bucket, a))
+        best_median = self._median(bucket, leader)
+        for arm in ripe:
+            median = self._median(bucket, arm)
+            if arm != "off" and median < c.prune_ratio * best_median:
+                bucket.pruned[arm] = {"step": bucket.clock, "median": median, "best": leader, "best_median": best_median}
+                self.log(f"tuner: pruned {arm} from bucket {self.label(i)} at step {bucket.clock}: median "
+                         f"{median:.1f} tok/s < {c.prune_ratio} x {leader}'s {best_median:.1f}")
+
+    # --- reporting and state -----------------------------------------------------------------------
+    def label(self, i: int) -> str:
+        """Human-readable batch sizes of bucket i: "1", "3-4", ">32"."""
+        bounds = self.config.buckets
+        if i == len(bounds):
+            return f">{bounds[-1]}" if bounds else ">=1"
+        low = bounds[i - 1] + 1 if i else 1
+        return str(low) if low == bounds[i] else f"{low}-{bounds[i]}"
+
+    def stats(self) -> dict:
+        """Per bucket (list index = bucket index): choice counts, explorations, window sizes, plain and
+        decayed medians (the latter is what the greedy choice ranks), the greedy arm, and the pruned arms
+        with why they were pruned."""
+        out = []
+        for i, bucket in enumerate(self._buckets):
+            tried = [a for a in self.config.arms if bucket.windows[a]]
+            out.append({
+                "bucket": self.label(i),
+                "steps": bucket.clock,
+                "choices": dict(bucket.choices),
+                "explored": bucket.explored,
+                "samples": {a: len(bucket.windows[a]) for a in tried},
+                "median": {a: self._median(bucket, a) for a in tried},
+                "score": {a: self._score(bucket, a) for a in tried},
+                "best": self._greedy(bucket, [a for a in tried if a not in bucket.pruned]) if tried else None,
+                "pruned": {a: dict(r) for a, r in bucket.pruned.items()},
+            })
+        return {"buckets": out}
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue identically, as plain JSON types."""
+        version, internal, gauss = self._rng.getstate()
+        return {
+            "version": STATE_VERSION,
+            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.config).items()},
+            "rng": [version, list(internal), gauss],
+            "buckets": [{
+                "clock": b.clock,
+                "explored": b.explored,
+                "choices": dict(b.choices),
+                "windows": {a: [[s, r] for s, r in w] for a, w in b.windows.items() if w},
+                "pruned": {a: dict(r) for a, r in b.pruned.items()},
+            } for b in self._buckets],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; the saved config must equal this tuner's config."""
+        saved = self._config_of(state)
+        if saved != self.config:
+            diff = [f.name for f in dataclasses.fields(TunerConfig) if getattr(saved, f.name) != getattr(self.config, f.name)]
+            raise ConfigError(f"tuner state was saved with a different config (fields {diff}); use Tuner.from_state_dict")
+        if len(state["buckets"]) != len(self._buckets):
+            raise ConfigError(f"tuner state has {len(state['buckets'])} buckets, expected {len(self._buckets)}")
+        buckets = []
+        for saved_bucket in state["buckets"]:
+            bucket = _Bucket(self.config.arms, self.config.window)
+            bucket.clock, bucket.explored = int(saved_bucket["clock"]), int(saved_bucket["explored"])
+            bucket.choices.update({a: int(n) for a, n in saved_bucket["choices"].items()})
+            for arm, window in saved_bucket["windows"].items():
+                bucket.windows[arm].extend((int(s), float(r)) for s, r in window)
+            bucket.pruned = {a: dict(r) for a, r in saved_bucket["pruned"].items()}
+            buckets.append(bucket)
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._buckets = buckets
+
+    @classmethod
+    def from_state_dict(cls, state: dict, log: Callable[[str], None] | None = None) -> "Tuner":
+        """A tuner with the saved config and state."""
+        tuner = cls(cls._config_of(state), log=log)
+        tuner.load_state_dict(state)
+        return tuner
+
+    @staticmethod
+    def _config_of(state: dict) -> TunerConfig:
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(f"tuner state version {state.get('version')!r} is not {STATE_VERSION}")
+        return from_dict(TunerConfig, state["config"], source="tuner state")

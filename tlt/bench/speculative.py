@@ -1,0 +1,303 @@
+"""Speculative decoding by batch size: every strategy against plain decoding, and transformers' assisted generation.
+
+The workload is the built-in task at temperature 1.0: batch b is b distinct eval-split prompts, one
+sample each, every response running to its end-of-sequence token, so the live batch starts at b and
+shrinks. For each batch size every strategy (`off` is plain decoding) runs on the same prompts with
+the same per-request seeds, each run in a fresh engine; within a repeat the strategies alternate, and
+the order rotates every repeat, so machine noise hits all of them. Each figure is the median of
+`--repeats` runs (one short untimed warm-up per system first). speedup_vs_off is a strategy's median
+tokens/s over that of `off` at the same batch size (> 1: faster). acceptance_length is tokens per row
+per speculative step (accepted drafts + 1).
+
+At batch 1 transformers runs too: plain `generate` ("hf") and assisted generation with sampling
+("hf-assisted-2layer", speculative sampling against a draft model). The default model has no smaller
+sibling, so the assistant is the target truncated to its first 2 decoder layers (its embedding, those
+layers, the final norm and the LM head, copied unchanged) and saved as a checkpoint transformers
+loads; this is the layer-skip style of drafting, not a trained draft model. Its acceptance_length is
+tokens per target forward. If assisted generation fails, the row records the error instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from tlt.bench.forward import _positive_int, _positive_ints
+from tlt.bench.rollout import summarize
+
+STRATEGIES = ("off", "chain-d4", "tree-d6-k4-v24", "tree-d8-k4-v48", "ngram-d4")
+ASSISTANT_LAYERS = 2
+HF = "hf"
+HF_ASSISTED = f"hf-assisted-{ASSISTANT_LAYERS}layer"
+WARMUP_TOKENS = 32
+ASSISTANT = (f"the target's first {ASSISTANT_LAYERS} decoder layers with its embedding, final norm and LM head "
+             "(no separate small model exists)")
+
+
+def _names(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="model folder or built-in name")
+    parser.add_argument("--drafter", default="default", help="drafter folder or 'default'")
+    parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 4, 16, 64], metavar="B,B,...")
+    parser.add_argument("--strategies", type=_names, default=list(STRATEGIES), metavar="S,S,...",
+                        help="strategy names; 'off' (plain decoding) is the baseline and must be included")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=_positive_int, default=640)
+    parser.add_argument("--repeats", type=_positive_int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
+
+
+# --- systems: each run returns {"wall_s", "tokens", "acceptance_length"} ------------------------------
+def run_engine(model, drafter, prompts: list[list[int]], strategy: str, temperature: float, max_tokens: int,
+               repeat: int) -> dict:
+    from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    if strategy == "off":
+        config = EngineConfig(progress=False)
+    else:
+        config = EngineConfig(progress=False, speculative="on", strategy=strategy, drafter=drafter)
+    engine = RolloutEngine(model, config=config)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=repeat * 1000 + i)
+              for i in range(len(prompts))]
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"wall_s": wall, "tokens": tokens, "acceptance_length": engine.stats()["acceptance_length"]}
+
+
+def run_hf(hf_model, prompt: list[int], temperature: float, max_tokens: int, eos_id: int, pad_id: int,
+           repeat: int, assistant=None) -> dict:
+    """One `generate` on one prompt (batch 1: no padding); with `assistant`, assisted generation."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    forwards = []
+    hook = hf_model.register_forward_hook(lambda *_: forwards.append(1))
+    extra = {"assistant_model": assistant} if assistant is not None else {}
+    torch.manual_seed(repeat)
+    try:
+        start = time.perf_counter()
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0, temperature=temperature or None,
+            top_k=0, top_p=1.0, max_new_tokens=max_tokens, eos_token_id=eos_id, pad_token_id=pad_id, **extra,
+        )
+        wall = time.perf_counter() - start
+    finally:
+        hook.remove()
+    new = out[0, len(prompt):].tolist()
+    tokens = new.index(eos_id) + 1 if eos_id in new else len(new)
+    return {"wall_s": wall, "tokens": tokens,
+            "acceptance_length": tokens / len(forwards) if assistant is not None and forwards else None}
+
+
+def truncated_copy(model, layers: int, directory: Path) -> Path:
+    """Save the target's embedding, first `layers` decoder layers, final norm and LM head as a model."""
+    from tlt.model import Transformer
+
+    c = model.config
+    extra = {k: (v[:layers] if k == "layer_types" else v) for k, v in c.extra.items()}
+    small = Transformer(c.replace(num_hidden_layers=layers, extra=extra))
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    small.load_state_dict(state)
+    small.save_pretrained(directory)
+    return directory
+
+
+# --- measurement ---------------------------------------------------------------------------------------
+def measure(
+    model_path: str | Path,
+    drafter_path: str | Path = "default",
+    batch_sizes: list[int] = (1, 4, 16, 64),
+    strategies: list[str] = STRATEGIES,
+    temperature: float = 1.0,
+    max_tokens: int = 640,
+    repeats: int = 3,
+    seed: int = 0,
+    skip_hf: bool = False,
+    command: list[str] | None = None,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON record: `config`, `rows`, `ratios`."""
+    import shlex
+    import tempfile
+
+    import torch
+    import transformers
+
+    from tlt.errors import ConfigError
+    from tlt.model import load_model
+    from tlt.model.checkpoint import resolve_model_path
+    from tlt.speculative import Drafter, Strategy
+    from tlt.tasks import ArithmeticTask
+    from tlt.tokenizer import load_tokenizer
+
+    strategies = [Strategy.parse(s).name for s in strategies]
+    if "off" not in strategies:
+        raise ConfigError("--strategies must include 'off', the baseline of speedup_vs_off")
+    folder = resolve_model_path(model_path)
+    model, tokenizer = load_model(folder), load_tokenizer(folder)
+    needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
+    drafter = Drafter.load(drafter_path, model) if needs_drafter else None
+    problems = ArithmeticTask().sample(max(batch_sizes), seed=seed, split="eval")
+    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def engine_system(strategy: str):
+        return lambda batch, n, r: run_engine(model, drafter, batch, strategy, temperature, n, r)
+
+    systems = {s: engine_system(s) for s in strategies}
+    hf_systems, errors = {}, {}
+    scratch = tempfile.TemporaryDirectory(prefix="tlt-bench-speculative-")
+    with scratch, torch.inference_mode():
+        if not skip_hf:
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+            hf_systems[HF] = lambda batch, n, r: run_hf(hf_model, batch[0], temperature, n, eos, pad, r)
+            try:
+                small = truncated_copy(model, ASSISTANT_LAYERS, Path(scratch.name) / "assistant")
+                assistant = AutoModelForCausalLM.from_pretrained(str(small), dtype=torch.float32).eval()
+                hf_systems[HF_ASSISTED] = lambda batch, n, r: run_hf(hf_model, batch[0], temperature, n, eos, pad,
+                                                                     r, assistant)
+            except Exception as exc:  # transformers' assisted generation is not ours to debug here
+                errors[HF_ASSISTED] = f"{type(exc).__name__}: {exc}"
+
+        def attempt(name: str, fn, batch, n: int, r: int) -> dict | None:
+            if name in errors:
+                return None
+            if name != HF_ASSISTED:
+                return fn(batch, n, r)
+            try:
+                return fn(batch, n, r)
+            except Exception as exc:
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                log(f"  {name} failed: {errors[name]}")
+                return None
+
+        plan = {b: dict(systems) for b in batch_sizes}
+        if hf_systems:
+            plan.setdefault(1, {}).update(hf_systems)
+        warm = prompts[: min(batch_sizes)]
+        for name, fn in {**systems, **hf_systems}.items():  # warm-up, not timed
+            attempt(name, fn, warm, min(max_tokens, WARMUP_TOKENS), -1)
+        log(f"speculative bench: batch sizes {list(batch_sizes)}, temperature {temperature}, max {max_tokens} tokens, "
+            f"{torch.get_num_threads()} threads, median of {repeats}")
+        results: dict[tuple[int, str], list[dict]] = {}
+        for b, here in plan.items():
+            names = list(here)
+            for r in range(repeats):
+                for k in range(len(names)):  # rotate the order every repeat
+                    name = names[(k + r) % len(names)]
+                    out = attempt(name, here[name], prompts[:b], max_tokens, r)
+                    if out is not None:
+                        results.setdefault((b, name), []).append(out)
+                        log(f"  batch {b:3d} run {r + 1}: {name:20s} {out['wall_s']:7.2f}s {out['tokens']:6d} tokens")
+
+    rows = make_rows(results, errors)
+    config = {
+        "command": shlex.join(command if command is not None else sys.argv),
+        "model": str(model_path), "drafter": str(drafter_path) if needs_drafter else None,
+        "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
+        "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "skip_hf": skip_hf,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "hf_assistant": None if skip_hf else ASSISTANT,
+    }
+    return {"config": config, "rows": rows, "ratios": make_ratios(rows, strategies)}
+
+
+def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]) -> list[dict]:
+    rows = []
+    for (b, name), runs in results.items():
+        row = {"batch": b, "strategy": name, **summarize(runs)}
+        accepted = [r["acceptance_length"] for r in runs if r["acceptance_length"] is not None]
+        row["acceptance_length"] = statistics.median(accepted) if accepted else None
+        rows.append(row)
+    for name, error in errors.items():
+        rows.append({"batch": 1, "strategy": name, "error": error, "wall_s": None, "tokens": None,
+                     "tokens_per_s": None, "acceptance_length": None})
+    off = {r["batch"]: r["tokens_per_s"] for r in rows if r["strategy"] == "off"}
+    for row in rows:
+        if row["strategy"] == HF_ASSISTED:
+            row["assistant"] = ASSISTANT
+        base = off.get(row["batch"])
+        row["speedup_vs_off"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
+    rows.sort(key=lambda r: r["batch"])
+    return rows
+
+
+def make_ratios(rows: list[dict], strategies: list[str]) -> dict[str, Any]:
+    """speedup_vs_off per strategy and batch; the best strategy per batch; headline batch-1 ratios
+    (`tree_vs_off_batch1` is the first tree strategy listed)."""
+    by = {(r["batch"], r["strategy"]): r for r in rows if r["tokens_per_s"] is not None}
+    batches = sorted({b for b, s in by if s in strategies})
+    ratios: dict[str, Any] = {
+        "speedup_vs_off": {s: {str(b): by[b, s]["speedup_vs_off"] for b in batches if (b, s) in by}
+                           for s in strategies if s != "off"},
+        "best_by_batch": {},
+    }
+    for b in batches:
+        best = max((s for s in strategies if (b, s) in by), key=lambda s: by[b, s]["tokens_per_s"])
+        ratios["best_by_batch"][str(b)] = {"strategy": best, "speedup_vs_off": by[b, best]["speedup_vs_off"]}
+    tree = next((s for s in strategies if s.startswith("tree")), None)
+    if tree is not None and (1, tree) in by:
+        ratios["tree_vs_off_batch1"] = by[1, tree]["speedup_vs_off"]
+        ratios["tree_strategy"] = tree
+        if (1, HF_ASSISTED) in by:
+            ratios["tree_vs_hf_assisted_batch1"] = by[1, tree]["tokens_per_s"] / by[1, HF_ASSISTED]["tokens_per_s"]
+    if (1, HF) in by:
+        if (1, "off") in by:
+            ratios["off_vs_hf_batch1"] = by[1, "off"]["tokens_per_s"] / by[1, HF]["tokens_per_s"]
+        if (1, HF_ASSISTED) in by:
+            ratios["hf_assisted_vs_hf_batch1"] = by[1, HF_ASSISTED]["tokens_per_s"] / by[1, HF]["tokens_per_s"]
+    return ratios
+
+
+def format_table(rows: list[dict]) -> str:
+    def num(x, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    header = f"{'batch':>5}  {'strategy':20s}  {'tokens':>7}  {'wall s':>8}  {'tok/s':>9}  {'accept':>6}  {'vs off':>6}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['batch']:>5}  {r['strategy']:20s}  error: {r['error']}")
+            continue
+        lines.append(f"{r['batch']:>5}  {r['strategy']:20s}  {r['tokens']:>7.0f}  {r['wall_s']:>8.2f}  "
+                     f"{r['tokens_per_s']:>9.1f}  {num(r['acceptance_length'], '6.2f'):>6}  "
+                     f"{num(r['speedup_vs_off'], '6.2f'):>6}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tlt.model.checkpoint import atomic_write_json
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
+                     args.repeats, args.seed, args.skip_hf)
+    print(format_table(record["rows"]))
+    print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
+          "vs off: tokens/s over plain decoding's at the same batch size")
+    for k, v in record["ratios"].items():
+        if isinstance(v, float):
+            print(f"{k} = {v:.2f}")
+    best = ", ".join(f"{b}: {x['strategy']}" for b, x in record["ratios"]["best_by_batch"].items())
+    print(f"best strategy by batch size: {best}")
+    if args.json is not None:
+        atomic_write_json(args.json, record)
+        print(f"wrote {args.json}")
+    return 0
