@@ -7,19 +7,10 @@ import pytest
 import torch
 
 from tlt.bench import forward
-from tlt.model.checkpoint import atomic_write_json
+from tlt.io import atomic_write_json
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops on a shared machine run fastest, and steadiest, on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_measure_fills_the_documented_record(hf_folder, tmp_path, one_thread):
+def test_measure_fills_the_documented_record(hf_folder, tmp_path):
     _, folder = hf_folder("qwen3")
     record = forward.measure(folder, batch_sizes=[1, 2], prompt_len=8, repeats=1, command=["tlt", "bench", "forward"])
     atomic_write_json(tmp_path / "bench.json", record)

@@ -8,18 +8,9 @@ import pytest
 import torch
 
 from tlt.bench import speculative
-from tlt.model.checkpoint import atomic_write_json
+from tlt.io import atomic_write_json
 
 STRATEGIES = ["off", "tree-d3-k2-v4", "ngram-d3"]
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny ops on a shared machine run fastest, and steadiest, on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -43,7 +34,7 @@ def tiny_folders(tmp_path):
     return model_dir, drafter_dir
 
 
-def test_measure_runs_every_strategy_and_fills_the_record(tiny_folders, tmp_path, one_thread):
+def test_measure_runs_every_strategy_and_fills_the_record(tiny_folders, tmp_path):
     model_dir, drafter_dir = tiny_folders
     record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1, 2], strategies=STRATEGIES, max_tokens=16,
                                  repeats=1, skip_hf=True, command=["tlt", "bench", "speculative"], log=lambda s: None)

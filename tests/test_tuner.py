@@ -85,7 +85,7 @@ def test_follows_a_change_of_best_arm(change):
     tuner, rng = Tuner(TunerConfig(decay=0.99)), random.Random(2)
     run(tuner, 1, MEANS[1], 1500, rng)
     assert tuner.best(1) == "tree-d8-k4-v48"
-    choices = run(tuner, 1, after, 400, rng)
+    choices = run(tuner, 1, after, 600, rng)
     assert tuner.best(1) == "chain-d3"
     tail = choices[-100:]
     assert tail.count("chain-d3") / len(tail) >= 0.8

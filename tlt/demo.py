@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tlt.evaluate import evaluate
     from tlt.model import load_model
-    from tlt.model.checkpoint import atomic_write_json
+    from tlt.io import atomic_write_json
     from tlt.plots import length_histogram
     from tlt.tasks import ArithmeticTask
     from tlt.tokenizer import load_tokenizer

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from tlt.model import load_model
-    from tlt.model.checkpoint import atomic_write_json
+    from tlt.io import atomic_write_json
     from tlt.tasks import ArithmeticTask
     from tlt.tokenizer import load_tokenizer
 

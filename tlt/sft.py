@@ -127,7 +127,7 @@ def lr_at(step: int, c: SFTConfig) -> float:
 
 
 def save(model, tokenizer, out: Path, c: SFTConfig, command: str, metrics: dict) -> None:
-    from tlt.model.checkpoint import atomic_write_json
+    from tlt.io import atomic_write_json
 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -209,7 +209,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tlt.model.checkpoint import BUILTIN_MODELS, atomic_write_json
+    from tlt.io import atomic_write_json
+    from tlt.model.checkpoint import BUILTIN_MODELS
 
     torch.set_num_threads(args.threads or _all_cores())
     with tempfile.TemporaryDirectory(prefix="tlt-bench-forward-") as scratch:

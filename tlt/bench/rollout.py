@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from tlt.model import load_model
-    from tlt.model.checkpoint import atomic_write_json, resolve_model_path
+    from tlt.io import atomic_write_json
+    from tlt.model.checkpoint import resolve_model_path
     from tlt.plots import live_batch, strategy_by_batch
     from tlt.tokenizer import load_tokenizer
 

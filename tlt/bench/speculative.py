@@ -283,7 +283,7 @@ def format_table(rows: list[dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tlt.model.checkpoint import atomic_write_json
+    from tlt.io import atomic_write_json
 
     if args.threads:
         torch.set_num_threads(args.threads)

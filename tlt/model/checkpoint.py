@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tlt.errors import CheckpointError, ConfigError
+from tlt.io import atomic_write_bytes, atomic_write_json
 from tlt.model.config import ModelConfig
 from tlt.model.transformer import Transformer
 
@@ -143,24 +143,6 @@ def load_model(
     model.inv_freq = inv_freq.to(model.device)
     model.eval()
     return model
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_bytes(Path(path), (json.dumps(data, indent=2) + "\n").encode())
 
 
 def save_pretrained(model: Transformer, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:

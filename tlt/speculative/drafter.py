@@ -140,7 +140,7 @@ class Drafter(nn.Module):
     def save(self, directory: str | os.PathLike) -> None:
         from safetensors.torch import save
 
-        from tlt.model.checkpoint import atomic_write_bytes, atomic_write_json
+        from tlt.io import atomic_write_bytes, atomic_write_json
 
         folder = Path(directory)
         atomic_write_bytes(folder / "drafter.safetensors", save(self.trainable_state(), metadata={"format": "pt"}))

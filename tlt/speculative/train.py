@@ -417,7 +417,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tlt.model import load_model
-    from tlt.model.checkpoint import atomic_write_json
+    from tlt.io import atomic_write_json
     from tlt.speculative.drafter import Drafter
     from tlt.tasks import ArithmeticTask
     from tlt.tokenizer import load_tokenizer

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import operator
 import os
-import tempfile
 from pathlib import Path
+
+from tlt.io import atomic_write_bytes
 from typing import Iterable
 
 DEFAULT_CHARACTERS = "0123456789+-*=;#QA: \n"
@@ -138,16 +139,7 @@ class CharTokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / FILENAME
         state = {"format": FORMAT, "special_tokens": self._special_tokens_map(), "vocab": self._token_to_id}
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{FILENAME}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(state, f, indent=1, ensure_ascii=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, json.dumps(state, indent=1, ensure_ascii=True).encode("utf-8"))
         return path
 
     @classmethod
