@@ -135,7 +135,8 @@ def test_untried_arms_come_first_in_config_order():
     tuner, rng = Tuner(TunerConfig(epsilon=1.0)), random.Random(0)
     assert run(tuner, 1, MEANS[1], len(ARMS), rng) == list(ARMS)
     # buckets are independent: a new bucket sweeps its untried arms again, `allowed` ones only
-    assert run(tuner, 64, MEANS[64], 2, rng, allowed=lambda a: a.startswith("tree")) == ["tree-d4-k2-v8", "tree-d6-k4-v24"]
+    trees = run(tuner, 64, MEANS[64], 2, rng, allowed=lambda a: a.startswith("tree"))
+    assert trees == ["tree-d4-k2-v8", "tree-d6-k4-v24"]
     # an arm chosen but never rewarded stays untried
     assert tuner.choose(8) == tuner.choose(8) == "off"
 
@@ -149,14 +150,13 @@ def test_same_seed_same_choices_and_different_seed_differs():
 
 
 def test_state_dict_round_trips_through_json_and_continues_identically():
-    logged = []
-    original, rng = Tuner(TunerConfig(prune_after=5, prune_ratio=0.6), log=logged.append), random.Random(4)
-    means = {**MEANS[1], "off": 20}
+    original, rng = Tuner(TunerConfig(epsilon=0.3, prune_after=5)), random.Random(4)
     for b in (1, 8, 64):
-        run(original, b, means if b == 1 else MEANS[b], 300, rng)
+        run(original, b, {**MEANS[b], "tree-d4-k2-v8": 1} if b == 1 else MEANS[b], 300, rng)
+    assert original.stats()["buckets"][0]["pruned"]  # pruning records travel too
     state = json.loads(json.dumps(original.state_dict()))
     restored = Tuner.from_state_dict(state)
-    loaded = Tuner(TunerConfig(prune_after=5, prune_ratio=0.6))
+    loaded = Tuner(TunerConfig(epsilon=0.3, prune_after=5))
     loaded.load_state_dict(state)
     assert restored.stats() == original.stats() == loaded.stats()
     streams = [random.Random(7) for _ in range(3)]

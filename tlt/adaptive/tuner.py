@@ -25,7 +25,7 @@ upward. Two mechanisms follow it:
 - Decay: every reward is stamped with the bucket's step counter (how many rewards the bucket had
   recorded before it), and the score is the *weighted* median of the window with weight
   decay ** (counter now - stamp). decay = 1 is the plain sliding-window median; below 1, a reward's
-  say halves every ln 2 / -ln(decay) bucket steps (decay 0.99: about 69).
+  say halves every ln 2 / -ln(decay) bucket steps (the default 0.99: about 69).
 The clock is the bucket's, not the arm's. The greedy arm is rewarded nearly every step, so it forgets
 at that rate whatever the clock. An arm that is only explored now and then carries old rewards, spaced
 about (arms / epsilon) steps apart, so its next exploration sample outweighs its stale history: an
@@ -35,9 +35,11 @@ re-fill half its window at the exploration rate first. Weights only matter relat
 window does, and is cached.
 
 Pruning. Once an arm and the bucket's best arm both have at least `prune_after` rewards in their
-windows, an arm scoring below `prune_ratio` x the best score is pruned from that bucket for good: it is
-neither exploited nor explored there again, which stops epsilon from paying for a shape that cannot
-win (a 48-node tree at batch 32). Each pruning is reported through `log` and recorded in `stats()`.
+windows, an arm whose plain window median is below `prune_ratio` x the best plain median is pruned
+from that bucket for good: it is neither exploited nor explored there again, which stops epsilon from
+paying for a shape that cannot win (a 48-node tree at batch 32). Pruning is permanent, so it compares
+undecayed medians over whole windows rather than the decayed scores, which for a rarely explored arm
+rest on its last few rewards. Each pruning is reported through `log` and recorded in `stats()`.
 prune_ratio = 0 disables it.
 
 "off" is an arm in every bucket and is never pruned: the batch size at which speculation starts to pay
@@ -103,7 +105,8 @@ class TunerConfig:
         if len(set(self.arms)) != len(self.arms):
             raise ConfigError(f"TunerConfig field 'arms' has duplicates: {self.arms}")
         if "off" not in self.arms:
-            raise ConfigError(f"TunerConfig field 'arms' must include 'off' (the plain-decoding baseline), got {self.arms}")
+            raise ConfigError(f"TunerConfig field 'arms' must include 'off' (the plain-decoding baseline), "
+                              f"got {self.arms}")
         _check_float("epsilon", self.epsilon, 0.0, 1.0)
         _check_int("window", self.window, 1)
         _check_float("decay", self.decay, 0.0, 1.0, open_low=True)
@@ -129,8 +132,8 @@ def _check_float(name: str, value, low: float, high: float, open_low: bool = Fal
 
 
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
-    """The value splitting the total weight in half (weights > 0); midway between the two middle values
-    on an exact split, so equal weights give the ordinary median."""
+    """The value splitting the total weight in half (weights >= 0, not all 0); midway between the two middle
+    values on an exact split, so equal weights give the ordinary median."""
     order = sorted(range(len(values)), key=values.__getitem__)
     cumulative = list(accumulate(weights[j] for j in order))
     half = cumulative[-1] / 2
@@ -227,7 +230,8 @@ class Tuner:
     def _summary(self, bucket: _Bucket, arm: str) -> tuple[float, float]:
         if arm not in bucket.summaries:
             window = bucket.windows[arm]
-            bucket.summaries[arm] = (decayed_median(window, self.config.decay), statistics.median(r for _, r in window))
+            rewards = [r for _, r in window]
+            bucket.summaries[arm] = (decayed_median(window, self.config.decay), statistics.median(rewards))
         return bucket.summaries[arm]
 
     def _greedy(self, bucket: _Bucket, arms: list[str]) -> str:
@@ -245,7 +249,8 @@ class Tuner:
         for arm in ripe:
             median = self._median(bucket, arm)
             if arm != "off" and median < c.prune_ratio * best_median:
-                bucket.pruned[arm] = {"step": bucket.clock, "median": median, "best": leader, "best_median": best_median}
+                record = {"step": bucket.clock, "median": median, "best": leader, "best_median": best_median}
+                bucket.pruned[arm] = record
                 self.log(f"tuner: pruned {arm} from bucket {self.label(i)} at step {bucket.clock}: median "
                          f"{median:.1f} tok/s < {c.prune_ratio} x {leader}'s {best_median:.1f}")
 
@@ -298,8 +303,10 @@ class Tuner:
         """Restore `state_dict()` output; the saved config must equal this tuner's config."""
         saved = self._config_of(state)
         if saved != self.config:
-            diff = [f.name for f in dataclasses.fields(TunerConfig) if getattr(saved, f.name) != getattr(self.config, f.name)]
-            raise ConfigError(f"tuner state was saved with a different config (fields {diff}); use Tuner.from_state_dict")
+            diff = [f.name for f in dataclasses.fields(TunerConfig)
+                    if getattr(saved, f.name) != getattr(self.config, f.name)]
+            raise ConfigError(f"tuner state was saved with a different config (fields {diff}); "
+                              "use Tuner.from_state_dict")
         if len(state["buckets"]) != len(self._buckets):
             raise ConfigError(f"tuner state has {len(state['buckets'])} buckets, expected {len(self._buckets)}")
         buckets = []
