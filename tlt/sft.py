@@ -48,6 +48,10 @@ class SFTConfig:
     threads: int = 0
     log_every: int = 50
     save_every: int = 250
+    stop_at: int | None = None
+
+    # stop_at: end training after this many steps of the `steps`-long LR schedule. The default model is
+    # such a mid-run checkpoint: accurate enough to be useful, imperfect enough for RL to improve it.
 
     def __post_init__(self) -> None:
         from tlt.errors import ConfigError
@@ -56,6 +60,8 @@ class SFTConfig:
             raise ConfigError(f"field 'error_rate' must be in [0, 1), got {self.error_rate}")
         if self.steps <= 0 or self.rows_per_step <= 0 or self.row_tokens < 64:
             raise ConfigError("fields 'steps' and 'rows_per_step' must be positive and 'row_tokens' >= 64")
+        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
+            raise ConfigError(f"field 'stop_at' must be in 1..steps ({self.steps}), got {self.stop_at}")
 
 
 def model_config(c: SFTConfig, tokenizer):
@@ -152,7 +158,8 @@ def train_sft(c: SFTConfig, out: Path, command: str = "tlt sft", log=print):
                             lr=c.lr, betas=(0.9, 0.95))
     batches = packed_batches(c, tokenizer)
     start, tokens_seen, metrics = time.time(), 0, {}
-    for step in range(c.steps):
+    last = c.stop_at or c.steps
+    for step in range(last):
         ids, pos, mask = next(batches)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, c)
@@ -164,13 +171,13 @@ def train_sft(c: SFTConfig, out: Path, command: str = "tlt sft", log=print):
         torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
         opt.step()
         tokens_seen += ids.numel()
-        if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+        if (step + 1) % c.log_every == 0 or step + 1 == last:
             elapsed = time.time() - start
             metrics = {"step": step + 1, "loss": round(loss.item(), 4), "tokens": tokens_seen,
                        "elapsed_s": round(elapsed, 1), "tokens_per_s": round(tokens_seen / elapsed)}
             log(f"step {step + 1:5d}  loss {loss.item():.4f}  lr {lr_at(step, c):.2e}  "
                 f"{tokens_seen / elapsed:,.0f} tok/s  {elapsed:,.0f}s")
-        if (step + 1) % c.save_every == 0 or step + 1 == c.steps:
+        if (step + 1) % c.save_every == 0 or step + 1 == last:
             save(model.eval(), tokenizer, out, c, command, metrics)
             model.train()
     return model.eval(), tokenizer
