@@ -11,7 +11,8 @@ from tlt.adaptive import Tuner, TunerConfig
 from tlt.config import from_dict
 from tlt.errors import ConfigError
 
-ARMS = TunerConfig().arms  # off, ngram-d4, chain-d3, chain-d5, tree-d4-k2-v8, tree-d6-k4-v24, tree-d8-k4-v48
+# Synthetic arms for the reward streams below (not the production defaults, which are measured).
+ARMS = ("off", "ngram-d4", "chain-d3", "chain-d5", "tree-d4-k2-v8", "tree-d6-k4-v24", "tree-d8-k4-v48")
 
 # Mean tokens/s per arm at three batch sizes in different buckets; the best leads the runner-up by
 # 25% (the noise is 25%), and every arm but "off" (never pruned) earns over 0.6x the best, so
@@ -41,7 +42,7 @@ def run(tuner: Tuner, batch_size: int, means: dict, steps: int, rng: random.Rand
 
 
 def test_bucket_of_uses_upper_bounds_and_an_open_last_bucket():
-    tuner = Tuner(TunerConfig())
+    tuner = Tuner(TunerConfig(arms=ARMS))
     sizes = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 1000]
     assert [tuner.bucket_of(b) for b in sizes] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
     assert [tuner.label(i) for i in range(7)] == ["1", "2", "3-4", "5-8", "9-16", "17-32", ">32"]
@@ -50,7 +51,7 @@ def test_bucket_of_uses_upper_bounds_and_an_open_last_bucket():
 
 
 def test_converges_to_the_best_arm_of_each_bucket():
-    config = TunerConfig()
+    config = TunerConfig(arms=ARMS)
     tuner, rng = Tuner(config), random.Random(1)
     late = {b: [] for b in MEANS}
     for step in range(1500):
@@ -82,7 +83,7 @@ def test_follows_a_change_of_best_arm(change):
     after = {**MEANS[1], "chain-d3": 200}
     if change == "swap":
         after["tree-d8-k4-v48"] = 60
-    tuner, rng = Tuner(TunerConfig(decay=0.99)), random.Random(2)
+    tuner, rng = Tuner(TunerConfig(arms=ARMS, decay=0.99)), random.Random(2)
     run(tuner, 1, MEANS[1], 1500, rng)
     assert tuner.best(1) == "tree-d8-k4-v48"
     choices = run(tuner, 1, after, 600, rng)
@@ -94,7 +95,7 @@ def test_follows_a_change_of_best_arm(change):
 def test_without_decay_a_risen_arm_waits_for_half_its_window():
     """Why decay exists: with decay = 1 the risen arm's median moves only once new rewards are half
     its window, and they arrive at the exploration rate (epsilon / arms per step)."""
-    tuner, rng = Tuner(TunerConfig(decay=1.0)), random.Random(2)
+    tuner, rng = Tuner(TunerConfig(arms=ARMS, decay=1.0)), random.Random(2)
     run(tuner, 1, MEANS[1], 1500, rng)
     run(tuner, 1, {**MEANS[1], "chain-d3": 200}, 400, rng)
     assert tuner.best(1) == "tree-d8-k4-v48"
@@ -105,7 +106,7 @@ def test_rewards_older_than_the_window_drop_out():
     median follows them, so a 30-sample window drops a collapsed leader within 80 steps and a
     300-sample window does not."""
     for window, kept in ((30, False), (300, True)):
-        tuner, rng = Tuner(TunerConfig(decay=1.0, window=window)), random.Random(3)
+        tuner, rng = Tuner(TunerConfig(arms=ARMS, decay=1.0, window=window)), random.Random(3)
         run(tuner, 1, MEANS[1], 600, rng)
         assert tuner.best(1) == "tree-d8-k4-v48"
         run(tuner, 1, {**MEANS[1], "tree-d8-k4-v48": 50}, 80, rng)
@@ -114,7 +115,7 @@ def test_rewards_older_than_the_window_drop_out():
 
 @pytest.mark.parametrize("epsilon", [0.0, 0.2])
 def test_epsilon_sets_the_exploration_rate(epsilon):
-    tuner, rng = Tuner(TunerConfig(epsilon=epsilon, seed=5)), random.Random(5)
+    tuner, rng = Tuner(TunerConfig(arms=ARMS, epsilon=epsilon, seed=5)), random.Random(5)
     means = MEANS[8]
     run(tuner, 8, means, len(ARMS), rng)  # the untried-first sweep
     steps, off_greedy = 3000, 0
@@ -132,7 +133,7 @@ def test_epsilon_sets_the_exploration_rate(epsilon):
 
 
 def test_untried_arms_come_first_in_config_order():
-    tuner, rng = Tuner(TunerConfig(epsilon=1.0)), random.Random(0)
+    tuner, rng = Tuner(TunerConfig(arms=ARMS, epsilon=1.0)), random.Random(0)
     assert run(tuner, 1, MEANS[1], len(ARMS), rng) == list(ARMS)
     # buckets are independent: a new bucket sweeps its untried arms again, `allowed` ones only
     trees = run(tuner, 64, MEANS[64], 2, rng, allowed=lambda a: a.startswith("tree"))
@@ -143,20 +144,20 @@ def test_untried_arms_come_first_in_config_order():
 
 def test_same_seed_same_choices_and_different_seed_differs():
     def choices(seed):
-        return run(Tuner(TunerConfig(seed=seed)), 1, MEANS[1], 600, random.Random(9))
+        return run(Tuner(TunerConfig(arms=ARMS, seed=seed)), 1, MEANS[1], 600, random.Random(9))
 
     assert choices(3) == choices(3)
     assert choices(3) != choices(4)
 
 
 def test_state_dict_round_trips_through_json_and_continues_identically():
-    original, rng = Tuner(TunerConfig(epsilon=0.3, prune_after=5)), random.Random(4)
+    original, rng = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5)), random.Random(4)
     for b in (1, 8, 64):
         run(original, b, {**MEANS[b], "tree-d4-k2-v8": 1} if b == 1 else MEANS[b], 300, rng)
     assert original.stats()["buckets"][0]["pruned"]  # pruning records travel too
     state = json.loads(json.dumps(original.state_dict()))
     restored = Tuner.from_state_dict(state)
-    loaded = Tuner(TunerConfig(epsilon=0.3, prune_after=5))
+    loaded = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5))
     loaded.load_state_dict(state)
     assert restored.stats() == original.stats() == loaded.stats()
     streams = [random.Random(7) for _ in range(3)]
@@ -167,16 +168,16 @@ def test_state_dict_round_trips_through_json_and_continues_identically():
 
 
 def test_load_state_dict_rejects_another_config():
-    state = Tuner(TunerConfig(epsilon=0.2)).state_dict()
+    state = Tuner(TunerConfig(arms=ARMS, epsilon=0.2)).state_dict()
     with pytest.raises(ConfigError, match="epsilon"):
-        Tuner(TunerConfig()).load_state_dict(state)
+        Tuner(TunerConfig(arms=ARMS)).load_state_dict(state)
     with pytest.raises(ConfigError, match="version"):
         Tuner.from_state_dict({**state, "version": 99})
 
 
 def test_pruning_drops_a_clearly_bad_arm_but_never_off_and_logs_it():
     logged = []
-    tuner = Tuner(TunerConfig(epsilon=0.3, prune_after=10, prune_ratio=0.5), log=logged.append)
+    tuner = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=10, prune_ratio=0.5), log=logged.append)
     means = {**MEANS[1], "off": 10, "tree-d4-k2-v8": 20}  # off and tree-d4 earn far below half of 110
     rng = random.Random(6)
     run(tuner, 1, means, 800, rng)
@@ -191,13 +192,13 @@ def test_pruning_drops_a_clearly_bad_arm_but_never_off_and_logs_it():
 
 
 def test_prune_ratio_zero_disables_pruning():
-    tuner = Tuner(TunerConfig(epsilon=0.3, prune_after=5, prune_ratio=0.0))
+    tuner = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, prune_ratio=0.0))
     run(tuner, 1, {**MEANS[1], "tree-d4-k2-v8": 1}, 400, random.Random(6))
     assert tuner.stats()["buckets"][0]["pruned"] == {}
 
 
 def test_allowed_excludes_arms_from_every_branch():
-    tuner, rng = Tuner(TunerConfig(epsilon=0.5)), random.Random(8)
+    tuner, rng = Tuner(TunerConfig(arms=ARMS, epsilon=0.5)), random.Random(8)
     no_drafter = lambda a: a == "off" or a.startswith("ngram")  # noqa: E731
     choices = run(tuner, 4, MEANS[8], 400, rng, allowed=no_drafter)
     assert set(choices) == {"off", "ngram-d4"}
@@ -210,7 +211,7 @@ def test_allowed_excludes_arms_from_every_branch():
 
 
 def test_update_rejects_bad_input():
-    tuner = Tuner(TunerConfig())
+    tuner = Tuner(TunerConfig(arms=ARMS))
     with pytest.raises(ValueError, match="unknown arm"):
         tuner.update(1, "chain-d9", 1.0)
     for reward in (float("nan"), float("inf"), -1.0):
@@ -227,12 +228,12 @@ def test_update_rejects_bad_input():
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises(ConfigError, match=field):
-        TunerConfig(**{field: value})
+        TunerConfig(**{"arms": ARMS, field: value})
 
 
 def test_config_from_dict_coerces_and_rejects_unknown_keys():
     config = from_dict(TunerConfig, {"buckets": "1,4,16", "arms": "off,chain-d3", "decay": "1", "seed": "none"})
     assert config == TunerConfig(buckets=(1, 4, 16), arms=("off", "chain-d3"), decay=1.0, seed=None)
-    assert TunerConfig(buckets=[1, 4]).buckets == (1, 4)
+    assert TunerConfig(arms=ARMS, buckets=[1, 4]).buckets == (1, 4)
     with pytest.raises(ConfigError, match="epsilom"):
         from_dict(TunerConfig, {"epsilom": 0.1})

@@ -6,6 +6,12 @@ same prompts with the same sampling settings; runs alternate between systems so 
 of them, and each figure is the median of `--repeats` runs. Ratios are baseline time / system time
 (> 1 means faster than the baseline). A PNG shows the live batch size over time: transformers keeps
 finished rows in its batch to the end, tlt's batch shrinks as responses finish.
+
+Systems: `tlt_off` (plain decoding), `hf` (transformers' generate), each `--strategies` entry run at
+every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose tuner state is carried
+from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first).
+`adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
+shows which strategy the adaptive engine ran at each live batch size.
 """
 
 from __future__ import annotations
