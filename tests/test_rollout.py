@@ -225,3 +225,18 @@ def test_sampling_params_validation():
         with pytest.raises(tlt.ConfigError, match=next(iter(bad))):
             tlt.SamplingParams(**bad)
     assert math.isclose(tlt.SamplingParams(top_p=0.5).top_p, 0.5)
+
+
+def test_progress_bar_draws_only_when_enabled():
+    import io
+
+    from tlt.progress import Progress
+
+    stream = io.StringIO()
+    bar = Progress(10, "rollout", enabled=True, stream=stream)
+    bar.update(10, "live 0")
+    bar.close()
+    assert "rollout [" in stream.getvalue() and "10/10" in stream.getvalue()
+    quiet = io.StringIO()
+    Progress(10, "rollout", enabled=None, stream=quiet).update(10)  # not a terminal: nothing drawn
+    assert quiet.getvalue() == ""

@@ -46,7 +46,8 @@ def trained_drafter(target, prompt):
 
 
 def drafters_for(target, prompt=None):
-    out = {"random": Drafter.from_target(target, seed=1), "adversarial": AdversarialDrafter(target)}
+    out = {"random": Drafter.from_target(target, seed=1), "adversarial": AdversarialDrafter(target),
+           "fused": Drafter.from_target(target, feature_layers=(0, 1), seed=2)}  # EAGLE-3 style features
     if prompt is not None:
         out["trained"] = trained_drafter(target, prompt)
     return out
@@ -62,16 +63,18 @@ def engine(target, strategy, drafter=None, **config):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("kind", ["random", "adversarial"])
+@pytest.mark.parametrize("kind", ["trained", "random", "adversarial", "fused"])
 def test_greedy_speculative_equals_plain(strategy, kind):
     target = random_target()
-    drafter = drafters_for(target)[kind]
     prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
+    drafter = drafters_for(target, prompts[0] if kind == "trained" else None)[kind]
     params = tlt.SamplingParams(n=2, temperature=0, max_tokens=48, ignore_eos=True)
     plain = tlt.RolloutEngine(target).generate(prompts, params)
     spec = engine(target, strategy, drafter)
-    assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
+    outputs = spec.generate(prompts, params)
+    assert tokens_of(outputs) == tokens_of(plain)
     assert spec.stats()["acceptance_length"] >= 1.0
+    assert all(c.acceptance_length >= 1.0 for o in outputs for c in o.outputs)  # per sequence too
 
 
 def test_greedy_accepts_long_runs_when_drafts_are_right():

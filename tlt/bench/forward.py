@@ -106,6 +106,9 @@ def measure(
     import tlt
     from tlt.errors import ConfigError, TltError
 
+    from tlt.model.checkpoint import resolve_model_path
+
+    folder = resolve_model_path(folder)  # a built-in name becomes its folder, which transformers reads too
     model = tlt.load_model(folder, dtype=dtype, device=device)
     if prompt_len + 1 > model.config.max_position_embeddings:
         raise ConfigError(f"--prompt-len {prompt_len} leaves no room in max_position_embeddings "

@@ -100,13 +100,19 @@ class KVCache:
         """Store new k/v [B, H_kv, T, D] after each row's cached tokens; return keys/values [B, H_kv, S, D]
         covering slots 0 .. max_length+T-1 (the caller masks each row's slots past lengths[b]+T)."""
         T = k.shape[2]
-        if self.max_length + T > self.capacity:
+        longest = self.max_length
+        if longest + T > self.capacity:
             self.reserve(T)
-        slots = self.lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(slots)
-        self.keys[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, C, D]
-        self.values[layer][rows, :, slots] = v.transpose(1, 2)
-        end = self.max_length + T
+        shortest = int(self.lengths.min()) if self.batch_size else 0
+        if shortest == longest:  # rows of equal length (prefill, batch 1): a plain slice write
+            self.keys[layer][:, :, longest : longest + T] = k
+            self.values[layer][:, :, longest : longest + T] = v
+        else:
+            slots = self.lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(slots)
+            self.keys[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, C, D]
+            self.values[layer][rows, :, slots] = v.transpose(1, 2)
+        end = longest + T
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def advance(self, counts: torch.Tensor | int) -> None:

@@ -218,7 +218,10 @@ class Transformer(nn.Module):
             tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
             base = cache.lengths
             position_ids_used = base[:, None] + torch.arange(T, device=device) if position_ids is None else position_ids
-            mask = additive(cached_mask(base, tree, valid, cache.max_length + T), x.dtype)
+            if tree_mask is None and attention_mask is None and cache.max_length == 0:
+                mask = None  # a plain prefill into an empty cache: causal over the T new tokens only
+            else:
+                mask = additive(cached_mask(base, tree, valid, cache.max_length + T), x.dtype)
         cos, sin = rope_tables(position_ids_used, self.inv_freq, self.rope_scaling_factor, x.dtype)
         wanted = set(output_layers)
         layer_states = {}

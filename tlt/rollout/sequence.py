@@ -21,6 +21,7 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     text: str | None = None
     hidden_states: torch.Tensor | None = None
+    acceptance_length: float | None = None  # tokens per speculative step of this sample (None: none)
 
 
 @dataclass
@@ -81,5 +82,6 @@ class Sequence:
     def completion(self, tokenizer=None) -> Completion:
         text = tokenizer.decode(self.tokens) if tokenizer is not None else None
         hidden = torch.cat(self.hidden) if self.hidden else None
+        accept = self.spec_tokens / self.spec_steps if self.spec_steps else None
         return Completion(self.index, list(self.tokens), list(self.logprobs), self.finish_reason or "length",
-                          text, hidden)
+                          text, hidden, accept)
