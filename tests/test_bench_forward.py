@@ -3,8 +3,6 @@
 import json
 import math
 
-import pytest
-import torch
 
 from tlt.bench import forward
 from tlt.io import atomic_write_json

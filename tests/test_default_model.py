@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 import tlt
 from tlt.evaluate import evaluate

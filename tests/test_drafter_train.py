@@ -9,10 +9,8 @@ from tlt.config import build
 from tlt.errors import ConfigError
 from tlt.model import ModelConfig, Transformer
 from tlt.speculative.drafter import Drafter
-from tlt.speculative.train import (
-    DraftRecord, DrafterTrainConfig, acceptance_top1, collect, eagle_loss, fill_rows, pack, record_pairs,
-    records_from_texts, train_drafter, unrolled_loss,
-)
+from tlt.speculative.data import DraftRecord, collect, fill_rows, pack, record_pairs, records_from_texts
+from tlt.speculative.train import DrafterTrainConfig, acceptance_top1, eagle_loss, train_drafter, unrolled_loss
 
 QUIET = dict(log=lambda line: None)
 

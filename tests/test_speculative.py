@@ -37,7 +37,8 @@ class AdversarialDrafter(Drafter):
 
 def trained_drafter(target, prompt):
     """A drafter trained briefly on the target's own samples, so its proposals are often right."""
-    from tlt.speculative.train import DrafterTrainConfig, collect, train_drafter
+    from tlt.speculative.data import collect
+    from tlt.speculative.train import DrafterTrainConfig, train_drafter
 
     records = collect(target, None, [prompt] * 8, samples_per_prompt=8, temperature=1.0, max_tokens=24, seed=0)
     config = DrafterTrainConfig(steps=60, lr=3e-3, warmup_steps=5, batch_tokens=256, rows=4, window=32, log_every=1000)
