@@ -231,3 +231,16 @@ def test_drafter_save_load_and_target_check(tmp_path):
     assert not any(k.startswith(("embed", "lm_head")) for k in drafter.trainable_state())
     with pytest.raises(tlt.CheckpointError, match="vocab_size"):
         Drafter.load(tmp_path, random_target(vocab=50))
+
+
+@pytest.mark.parametrize("strategy", ["tree-d4-k3-v10", "chain-d3"])
+def test_continuous_batching_under_speculation(strategy):
+    """Requests admitted while others are mid-draft join the drafter's state (DraftState.extend) too."""
+    target = random_target(seed=15)
+    drafter = Drafter.from_target(target, seed=4)
+    prompts = [[3, 4], [5, 6, 7, 8], [9], [10, 11, 12], [13, 14, 15, 16, 17]]
+    params = [tlt.SamplingParams(n=2, temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 6, 18, 3, 25)]
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = engine(target, strategy, drafter, max_batch_size=3)
+    assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
+    assert max(spec.stats()["batch_sizes"]) <= 3
