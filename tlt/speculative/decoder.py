@@ -139,7 +139,8 @@ class SpeculativeDecoder:
         tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
         toks = [[t] for t in tokens.tolist()]
         self._feed(batch, out, [[0]] * len(toks), toks, base)
-        return DecodeResult(toks, [[lp] for lp in logprobs.tolist()], [h[None] for h in hidden])
+        return DecodeResult(toks, [[lp] for lp in logprobs.tolist()],
+                            [h[None] for h in hidden] if batch.wants_hidden else None)
 
     def _catch_up(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume pending pairs; return the drafter's feature and logits after each row's last pair."""
@@ -166,8 +167,7 @@ class SpeculativeDecoder:
         for seq, e in zip(batch.seqs, emitted):
             seq.spec_steps += 1
             seq.spec_tokens += len(e)
-        rows = range(len(visited))
-        hidden = [out.hidden_states[b, visited[b]] for b in rows]
+        hidden = [out.hidden_states[b, v] for b, v in enumerate(visited)] if batch.wants_hidden else None
         return DecodeResult(emitted, logprobs, hidden)
 
     def _verify_chain(self, logits, draft, batch, counters):
