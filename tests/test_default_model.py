@@ -22,6 +22,8 @@ def test_default_model_is_small_deep_and_reproducible():
     config = tlt.load_config("default")
     assert config.num_hidden_layers >= 8
     assert (folder / "model.safetensors").stat().st_size <= 20 * 2**20
+    drafter = json.loads((folder / "drafter" / "drafter_config.json").read_text())
+    assert drafter["target_name"] == "default" and drafter["target_layers"] == config.num_hidden_layers
 
 
 def test_default_accuracy_at_temperature_one_is_between_30_and_80_percent(default):
@@ -33,16 +35,19 @@ def test_default_accuracy_at_temperature_one_is_between_30_and_80_percent(defaul
     assert lengths[-1] >= 5 * lengths[len(lengths) // 2]  # the long tail shows in the model's own responses
 
 
+@pytest.mark.parametrize("drafter", ["default", "random"])
 @pytest.mark.parametrize("strategy", ["tree-d6-k4-v24", "chain-d4", "ngram-d4"])
-def test_greedy_speculation_on_the_default_model_equals_plain(default, strategy):
+def test_greedy_speculation_on_the_default_model_equals_plain(default, strategy, drafter):
     model, tokenizer = default
+    if drafter == "random":
+        drafter = tlt.Drafter.from_target(model, seed=0)
     prompts = [p.prompt for p in ArithmeticTask().sample(6, seed=5, split="eval")]
     params = tlt.SamplingParams(temperature=0, max_tokens=300)
     plain = tlt.RolloutEngine(model, tokenizer).generate(prompts, params)
-    engine = tlt.RolloutEngine(model, tokenizer, tlt.EngineConfig(speculative="on", strategy=strategy, drafter="default"))
+    engine = tlt.RolloutEngine(model, tokenizer, tlt.EngineConfig(speculative="on", strategy=strategy, drafter=drafter))
     spec = engine.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
-    if strategy.startswith("tree"):
+    if strategy.startswith("tree") and drafter == "default":
         assert engine.stats()["acceptance_length"] >= 2.0  # the committed drafter is really trained
 
 

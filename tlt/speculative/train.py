@@ -17,6 +17,7 @@ are used under no_grad and never reach the optimizer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -254,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
     drafter, metrics = train_drafter(target, records, c, drafter)
     metrics.update(held_out_top1_before=round(before, 4), held_out_top1=round(acceptance_top1(drafter, held_out), 4))
     print(f"held-out top-1 agreement {before:.3f} -> {metrics['held_out_top1']:.3f}")
+    drafter.config = dataclasses.replace(drafter.config, target_name=str(args.model))  # names its target
     drafter.save(args.out)
     data = {"model": args.model, "from_drafter": args.from_drafter, "prompts": args.prompts,
             "samples": args.samples, "temperature": args.temperature, "max_tokens": args.max_tokens,
