@@ -3,6 +3,7 @@ restored, the memory guard and the drafter requirement restrict the arms."""
 
 import json
 
+import pytest
 import torch
 
 import tlt
@@ -30,20 +31,49 @@ def test_greedy_adaptive_equals_plain_while_switching_arms():
     assert "off" in used and len(used) >= 4  # really switched, off <-> drafter arms included
 
 
-def test_adaptive_sampling_is_exact():
-    """Arms change between the steps of one rollout (prefill, then a tree, a chain and an n-gram step):
-    the 3-token distribution must still be the target's."""
+@pytest.mark.parametrize("kind,temperature,top_k,top_p", [
+    ("random", 1.0, -1, 1.0), ("adversarial", 1.3, 5, 1.0), ("trained", 0.6, -1, 0.8),
+])
+def test_adaptive_sampling_is_exact(kind, temperature, top_k, top_p):
+    """Arms change between the steps of one rollout (a tree, a chain, then an n-gram step): the
+    3-token distribution must still be the target's."""
     target = random_target(vocab=VOCAB, seed=8, scale=0.6)
     prompt = list(range(VOCAB)) * 2
-    drafter = drafters_for(target)["random"]
+    drafter = drafters_for(target, prompt if kind == "trained" else None)[kind]
     engine = tlt.RolloutEngine(target, config=tlt.EngineConfig(
         speculative="adaptive", drafter=drafter, max_batch_size=50_000, max_draft_tokens=10**7,
-        tuner=TunerConfig(arms=("tree-d3-k2-v5", "chain-d3", "off"), epsilon=0.0)))
-    params = tlt.SamplingParams(n=50_000, temperature=1.0, max_tokens=3, seed=4, ignore_eos=True)
+        tuner=TunerConfig(arms=("tree-d3-k2-v5", "chain-d3", "ngram-d3", "off"), epsilon=0.0)))
+    params = tlt.SamplingParams(n=50_000, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, seed=4,
+                                ignore_eos=True)
     seqs = torch.tensor([c.token_ids for c in engine.generate([prompt], params)[0].outputs])
     counts = torch.bincount((seqs * torch.tensor([VOCAB * VOCAB, VOCAB, 1])).sum(1), minlength=VOCAB**3)
-    assert engine.stats()["strategies"][:2] == ["tree-d3-k2-v5", "chain-d3"]
-    assert chi_square_pvalue(counts, exact_three_token_distribution(target, prompt, 1.0, -1, 1.0)) > 0.001
+    steps = engine.stats()["strategies"]
+    # A trained drafter can finish all 3 tokens in the first (tree) step; the others switch arms mid-rollout.
+    expected = ["tree-d3-k2-v5"] if kind == "trained" else ["tree-d3-k2-v5", "chain-d3"]
+    assert steps[: len(expected)] == expected
+    probs = exact_three_token_distribution(target, prompt, temperature, top_k, top_p)
+    assert chi_square_pvalue(counts, probs) > 0.001
+
+
+def test_adaptive_logprobs_and_features_equal_full_forward():
+    from tlt.rollout.sampling import warp_logprobs
+
+    target = random_target(seed=16)
+    prompt = [3, 9, 27, 4, 5]
+    params = tlt.SamplingParams(n=3, temperature=0.8, top_k=20, max_tokens=40, seed=2, ignore_eos=True,
+                                return_hidden_states=True)
+    engine = adaptive_engine(target, drafters_for(target)["random"], epsilon=0.5, seed=2)
+    out = engine.generate([prompt], params)[0]
+    assert len(set(engine.stats()["strategies"])) >= 3
+    for c in out.outputs:
+        with torch.no_grad():
+            full = target(torch.tensor([prompt + c.token_ids]))
+        n = len(c.token_ids)
+        warped = warp_logprobs(full.logits[0, len(prompt) - 1 : -1], torch.full((n,), 0.8), torch.full((n,), 20),
+                               torch.ones(n))
+        ref = warped.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - ref).abs().max() <= 1e-4
+        assert (c.hidden_states - full.hidden_states[0, len(prompt) - 1 : -1]).abs().max() <= 1e-4
 
 
 def test_tuner_is_carried_across_rollouts_and_restored():
