@@ -1,0 +1,31 @@
+"""The model-free drafter's index: longest suffix match over the prompt, the sequence and its siblings."""
+
+from tlt.speculative.ngram import NgramIndex
+
+
+def test_proposes_the_continuation_of_a_sibling_sample():
+    prompt = [1, 2, 3]
+    index = NgramIndex(prompt, max_n=3)
+    sibling = prompt + [7, 8, 9, 10, 11]
+    index.add(sibling, len(prompt))
+    mine = prompt + [7, 8]
+    index.add(mine, len(prompt))
+    # The longest suffix (3, 7, 8) last occurred in the sibling, followed by 9, 10, 11.
+    assert index.propose(mine, 4) == [9, 10, 11]
+
+
+def test_prefers_the_longest_match_and_the_most_recent_occurrence():
+    index = NgramIndex([5, 1, 2, 6, 1, 2, 7], max_n=2)
+    assert index.propose([9, 1, 2], 1) == [7]  # (1, 2) last seen before 7
+    assert index.propose([9, 9, 5], 2) == [1, 2]  # only the unigram (5) matches
+
+
+def test_a_loop_in_the_sequence_itself_continues_as_an_overlapping_copy():
+    text = [4, 5, 6, 4, 5, 6, 4]
+    index = NgramIndex([], max_n=3)
+    index.add(text, 0)
+    assert index.propose(text, 7) == [5, 6, 4, 5, 6, 4, 5]
+
+
+def test_no_match_proposes_nothing():
+    assert NgramIndex([1, 2, 3]).propose([8, 9], 4) == []
