@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
           f"(cold tuner {cold.wall_time_s:.1f}s)   speed-up {off.wall_time_s / adaptive.wall_time_s:.2f}x   "
           f"acceptance length {accept:.2f}")
     print("strategy steps  " + "  ".join(f"{k}: {v}" for k, v in used.items()))
+    print("                (one run each: on a shared machine the times swing; `tlt bench rollout` gives medians)")
     out = Path(args.out)
     hist = length_histogram(off.lengths, out / "response_lengths.png",
                             f"default model, {off.samples} responses at temperature {args.temperature}")
