@@ -56,7 +56,7 @@ class KVCache:
     def _like(self, lengths: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "KVCache":
         out = object.__new__(KVCache)
         out.__dict__.update(self.__dict__)
-        out.lengths, out.keys, out.values = lengths, keys, values
+        out.lengths, out.keys, out.values = lengths, keys, values  # the setter refreshes the bounds
         return out
 
     # --- size --------------------------------------------------------------------------------------
@@ -69,8 +69,23 @@ class KVCache:
         return self.keys[0].shape[2] if self.keys else 0
 
     @property
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor) -> None:
+        # The bounds are read by every layer's write; computing them once per change, not once per
+        # layer, keeps device-to-host syncs off the decode loop.
+        self._lengths = value
+        self._bounds = (int(value.min()), int(value.max())) if value.numel() else (0, 0)
+
+    @property
     def max_length(self) -> int:
-        return int(self.lengths.max()) if self.batch_size else 0
+        return self._bounds[1]
+
+    @property
+    def min_length(self) -> int:
+        return self._bounds[0]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -103,8 +118,7 @@ class KVCache:
         longest = self.max_length
         if longest + T > self.capacity:
             self.reserve(T)
-        shortest = int(self.lengths.min()) if self.batch_size else 0
-        if shortest == longest:  # rows of equal length (prefill, batch 1): a plain slice write
+        if self.min_length == longest:  # rows of equal length (prefill, batch 1): a plain slice write
             self.keys[layer][:, :, longest : longest + T] = k
             self.values[layer][:, :, longest : longest + T] = v
         else:
@@ -178,6 +192,3 @@ class KVCache:
         keys = [join("keys", i) for i in range(first.num_layers)]
         values = [join("values", i) for i in range(first.num_layers)]
         return first._like(lengths, keys, values)
-
-    def clone(self) -> "KVCache":
-        return self._like(self.lengths.clone(), [t.clone() for t in self.keys], [t.clone() for t in self.values])

@@ -110,6 +110,15 @@ class EngineStats:
         return sum(t for t, _ in spec) / rows if rows else None
 
 
+def sample_next(batch: LiveBatch, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeResult:
+    """One token per row from logits [B, V] with each row's counter-based uniform; hidden [B, H] are the
+    features that produced them. Shared by the prefill's first token and every plain decode step."""
+    u = rng.uniform(batch.keys, batch.counters)
+    tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
+    return DecodeResult([[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()],
+                        [h[None] for h in hidden] if batch.wants_hidden else None)
+
+
 class PlainDecoder:
     """One target forward per step: feed each row's newest token, sample the next one."""
 
@@ -118,14 +127,7 @@ class PlainDecoder:
 
     def decode(self, batch: LiveBatch) -> DecodeResult:
         out = self.model(batch.last_tokens[:, None], cache=batch.cache)
-        logits, hidden = out.logits[:, 0], out.hidden_states[:, 0]  # [B, V], [B, H]
-        u = rng.uniform(batch.keys, batch.counters)
-        tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
-        return DecodeResult(
-            [[t] for t in tokens.tolist()],
-            [[lp] for lp in logprobs.tolist()],
-            [h[None] for h in hidden] if batch.wants_hidden else None,
-        )
+        return sample_next(batch, out.logits[:, 0], out.hidden_states[:, 0])
 
 
 class RolloutEngine:
@@ -251,14 +253,11 @@ class RolloutEngine:
         hidden = hidden.repeat_interleave(counts, 0)  # [N, H]
         seqs = [s for g in groups for s in g.seqs]
         fresh = LiveBatch(seqs, cache, torch.zeros(len(seqs), dtype=torch.long, device=device))
-        u = rng.uniform(fresh.keys, fresh.counters)
-        tokens, logprobs = sample_tokens(logits, fresh.temperature, fresh.top_k, fresh.top_p, u)
-        fresh.last_tokens = tokens
+        first = sample_next(fresh, logits, hidden)
+        fresh.last_tokens = torch.tensor([r[0] for r in first.tokens], dtype=torch.long, device=device)
         if hasattr(self.decoder, "prefill"):
             self.decoder.prefill(fresh, ids, lengths, out, counts)
         self._stats.prefill_tokens += int(lengths.sum())
-        first = DecodeResult([[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()],
-                             [h[None] for h in hidden] if fresh.wants_hidden else None)
         if self.batch is None or not len(self.batch):
             self.batch = fresh
             self._postprocess(first)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from tlt.rollout import rng
-from tlt.rollout.engine import DecodeResult
-from tlt.rollout.sampling import sample_tokens, warp_logprobs
+from tlt.rollout.engine import DecodeResult, sample_next
+from tlt.rollout.sampling import warp_logprobs
 from tlt.speculative.strategy import Strategy
 from tlt.speculative.tree import chain_draft, expand
 from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
@@ -134,13 +134,9 @@ class SpeculativeDecoder:
     def _plain(self, batch) -> DecodeResult:
         base = batch.cache.lengths.clone()
         out = self.model(batch.last_tokens[:, None], cache=batch.cache, output_layers=self.output_layers)
-        logits, hidden = out.logits[:, 0], out.hidden_states[:, 0]  # [B, V], [B, H]
-        u = rng.uniform(batch.keys, batch.counters)
-        tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
-        toks = [[t] for t in tokens.tolist()]
-        self._feed(batch, out, [[0]] * len(toks), toks, base)
-        return DecodeResult(toks, [[lp] for lp in logprobs.tolist()],
-                            [h[None] for h in hidden] if batch.wants_hidden else None)
+        result = sample_next(batch, out.logits[:, 0], out.hidden_states[:, 0])
+        self._feed(batch, out, [[0]] * len(result.tokens), result.tokens, base)
+        return result
 
     def _catch_up(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume pending pairs; return the drafter's feature and logits after each row's last pair."""
