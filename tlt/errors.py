@@ -11,3 +11,11 @@ class ConfigError(TltError, ValueError):
 
 class CheckpointError(TltError, OSError):
     """A checkpoint folder is missing, incomplete or corrupt."""
+
+
+class StaleWeightsError(TltError, RuntimeError):
+    """A rollout was asked for a policy version the engine does not hold."""
+
+
+class TrainingError(TltError, RuntimeError):
+    """Training cannot go on (a non-finite loss, a diverged update); the last good checkpoint is kept."""

@@ -24,7 +24,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from tlt.errors import ConfigError
+from tlt.errors import ConfigError, StaleWeightsError
 from tlt.progress import Progress
 from tlt.rollout import rng
 from tlt.rollout.batch import LiveBatch
@@ -147,6 +147,7 @@ class RolloutEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        self.weights_version = 0
 
     def _make_decoder(self):
         if self.config.speculative == "off":
@@ -177,13 +178,34 @@ class RolloutEngine:
         return getattr(self.decoder, "tuner", None)
 
     # --- public API --------------------------------------------------------------------------------
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy a policy's weights (a state dict with the model's parameter names) into the engine's
+        model in place, so a drafter sharing its embedding and head follows, and record their version."""
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ConfigError(f"load_weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                if tensor.shape != own[name].shape:
+                    raise ConfigError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                                      f"the engine's model has {tuple(own[name].shape)}")
+                own[name].copy_(tensor)
+        self.weights_version = int(version)
+
     def generate(
         self,
         prompts: Seq[list[int] | str],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        weights_version: int | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (token ids, or strings when a tokenizer was given)."""
+        """Generate for every prompt (token ids, or strings when a tokenizer was given). With
+        `weights_version`, refuse to run unless the engine holds exactly that policy version: an RL
+        step must never sample from stale weights."""
+        if weights_version is not None and weights_version != self.weights_version:
+            raise StaleWeightsError(f"rollout asked for policy version {weights_version}, "
+                                    f"the engine holds version {self.weights_version}")
         prompts = list(prompts)
         if not prompts:
             return []
