@@ -1,0 +1,101 @@
+"""Tests of the "math" reward and of `RewardRunner`: in-process and in a worker process, a raising row
+costs only its own reward, a hung call times out and the next one runs, and bad return values are
+errors that name their rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from tlt.errors import ConfigError
+from tlt.rewards import RewardRunner, get_reward, math_reward
+
+
+def test_math_reward_boxed_latex_and_decimals():
+    completions = [
+        r"Half of it: $\boxed{\frac{1}{2}}$",
+        r"So the answer is \boxed{0.5}.",
+        r"\boxed{\frac{2}{4}}",
+        r"\boxed{\frac{1}{3}}",
+        "I do not know.",
+    ]
+    assert math_reward([""] * 5, completions, ground_truth=["0.5"] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert get_reward("math") is math_reward
+
+
+def test_math_reward_reads_answer_or_solution_and_chat_completions():
+    assert math_reward(["q"], [r"\boxed{(1, 2)}"], answer=["(1, 2)"]) == [1.0]
+    assert math_reward(["q"], [r"\boxed{2}"], answer=["(1, 2)"]) == [0.0]
+    assert math_reward(["q"], [[{"role": "assistant", "content": r"\boxed{\sqrt{2}}"}]],
+                       solution=[r"so it is $\sqrt{2}$"]) == [1.0]
+
+
+def test_math_reward_without_a_reference_column_names_the_columns_it_needs():
+    with pytest.raises(ConfigError, match="'ground_truth', 'answer' or 'solution'.*'target'"):
+        math_reward(["q"], ["1"], target=["1"])
+
+
+ROWS = ["a", "b", "c", "d"]
+SOURCES = [f"data.jsonl:{i + 1}" for i in range(4)]
+
+
+def score(runner, completions):
+    return runner.score(ROWS, completions, {"target": ["a", "b", "c", "d"]}, SOURCES)
+
+
+def test_in_process_runner():
+    with RewardRunner("reward_fixtures:by_completion", chunk_size=2) as runner:
+        result = score(runner, ["a", "x", "c", "d"])
+        assert result.rewards == [1.0, 0.0, 1.0, 1.0] and result.errors == [None] * 4 and result.seconds > 0
+
+        result = score(runner, ["a", "raise", "nan", "d"])
+        assert result.rewards == [1.0, 0.0, 0.0, 1.0]
+        assert result.errors[0] is None and result.errors[3] is None
+        assert result.errors[1].startswith("data.jsonl:2: reward 'reward_fixtures:by_completion' raised ValueError")
+        assert result.errors[2].startswith("data.jsonl:3:") and "nan" in result.errors[2]
+
+    with RewardRunner("reward_fixtures:one_too_many") as runner:
+        result = score(runner, ROWS)
+    assert result.rewards == [0.0] * 4
+    assert all(e.startswith(f"{s}:") and "returned 2 values for 1 rows" in e for e, s in zip(result.errors, SOURCES))
+
+
+def test_runner_passes_reward_kwargs_and_raises_config_errors():
+    runner = RewardRunner("arithmetic", format_weight=0.5)
+    assert runner.score(["p", "p"], ["7", "01+6=07;#07"], {"answer": ["08", "08"]}).rewards == [0.0, 0.5]
+    with pytest.raises(ConfigError, match="'answer' has 1 entries for 2 prompts"):
+        runner.score(["p", "p"], ["#07", "#08"], {"answer": ["08"]})
+    with pytest.raises(ConfigError, match="reward 'math'.*'ground_truth'"):
+        RewardRunner("math").score(["p"], ["1"], {"target": ["1"]})
+    with pytest.raises(ConfigError, match="unknown reward"):
+        RewardRunner("no_such_reward", workers=1)
+    with pytest.raises(ConfigError, match="cannot be sent to worker processes"):
+        RewardRunner(lambda prompts, completions, **_: [0.0] * len(prompts), workers=1)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One worker process for all the pool tests: spawning one costs about a second."""
+    with RewardRunner("reward_fixtures:by_completion", workers=1, timeout_s=1.0, chunk_size=2) as runner:
+        yield runner
+
+
+def test_worker_runner_scores_and_isolates_bad_rows(pool):
+    assert score(pool, ["a", "x", "c", "d"]).rewards == [1.0, 0.0, 1.0, 1.0]
+    result = score(pool, ["a", "raise", "c", "d"])
+    assert result.rewards == [1.0, 0.0, 1.0, 1.0]
+    assert result.errors[1].startswith("data.jsonl:2:") and "ValueError: cannot score 'raise'" in result.errors[1]
+    assert result.errors.count(None) == 3
+    result = score(pool, ["a", "b", "drop", "nan"])
+    assert result.rewards == [1.0, 1.0, 0.0, 0.0]
+    assert result.errors[2] == "data.jsonl:3: reward 'reward_fixtures:by_completion' returned 0 values for 1 rows"
+    assert result.errors[3].startswith("data.jsonl:4:") and "nan" in result.errors[3]
+
+
+def test_worker_runner_times_out_a_hung_call_and_goes_on(pool):
+    result = score(pool, ["a", "hang", "c", "d"])
+    assert result.rewards == [0.0, 0.0, 1.0, 1.0]
+    for error, source in zip(result.errors[:2], SOURCES):
+        assert error.startswith(f"{source}:") and "timed out after 1 s" in error and "data.jsonl:2" in error
+    assert result.errors[2:] == [None, None]
+    assert result.seconds >= 1.0
+    assert score(pool, ROWS).rewards == [1.0] * 4

@@ -1,0 +1,191 @@
+"""Users' RL datasets, JSONL or Parquet, read into `Example` records without a conversion step.
+
+Two layouts are read as they are found in the wild:
+
+- verl's: `prompt` is a list of chat messages, `reward_model` a record holding `ground_truth` (and
+  perhaps `style`), plus `data_source` and often `extra_info`. The reference answer becomes the column
+  `ground_truth`; every other top-level column (`reward_model` itself included) passes through, nested
+  records as dicts, so a reward can read `extra_info["split"]` or `reward_model["style"]`.
+- TRL's: a `prompt` column (text or chat messages); every other column passes to the reward as is.
+
+`format="auto"` picks verl's layout when the first row has a `reward_model` column. `columns` renames
+dataset columns to the keyword names a reward expects (`{"answer": "ground_truth"}`), after the layout
+is read, so `ground_truth` can itself be renamed. Each example's `source` is `file:N`: the 1-based
+line for JSONL (what an editor shows), the 0-based row index for Parquet (what pandas and pyarrow
+show).
+
+Bad input. Problems with the file as a whole (missing file, unknown extension, unreadable Parquet,
+no prompt column in a Parquet schema, no examples at all) always raise `ConfigError`. A malformed row
+(bad JSON, not an object, missing prompt, a prompt that is neither text nor messages, a verl row with
+no ground truth, a renamed column it lacks) raises `ConfigError` naming the file, line or row and the
+column with `on_bad_row="error"`, the default, because a silently shrunk dataset skews a run; with
+`on_bad_row="skip"` such rows are left out and one warning names how many and the first few.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+from tlt.data.example import Example
+from tlt.errors import ConfigError
+
+FORMATS = ("auto", "verl", "trl")
+_SHOWN_SKIPS = 5  # bad rows quoted in the skip warning; the rest are counted
+
+
+class _BadRow(Exception):
+    """A row that cannot become an example; the message names the row and the column."""
+
+
+def load_examples(path: str | Path, format: str = "auto", prompt_column: str = "prompt",
+                  columns: dict[str, str] | None = None, limit: int | None = None,
+                  on_bad_row: str = "error") -> list[Example]:
+    """The examples of a `.jsonl` or `.parquet` file: at most `limit`, in file order.
+
+    `format` is "auto", "verl" or "trl"; `prompt_column` names the prompt column; `columns` maps
+    dataset column names to reward keyword names; `on_bad_row` is "error" or "skip".
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"dataset format {format!r}: expected one of {list(FORMATS)}")
+    if on_bad_row not in ("error", "skip"):
+        raise ConfigError(f"on_bad_row {on_bad_row!r}: expected 'error' or 'skip'")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"dataset limit {limit!r}: expected a positive integer or None")
+    renames = dict(columns or {})
+    if len(set(renames.values())) != len(renames):
+        raise ConfigError(f"dataset columns mapping {renames}: two dataset columns map to the same name")
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"dataset {path}: no such file")
+    if path.suffix == ".jsonl":
+        rows = _jsonl_rows(path)
+    elif path.suffix == ".parquet":
+        rows = _parquet_rows(path, prompt_column)
+    else:
+        raise ConfigError(f"dataset {path}: unknown extension {path.suffix!r}, expected .jsonl or .parquet")
+
+    layout = None if format == "auto" else format
+    examples: list[Example] = []
+    skipped: list[str] = []
+    for source, row in rows:
+        try:
+            if isinstance(row, _BadRow):  # a line the reader could not parse: handled like any bad row
+                raise row
+            if layout is None:
+                layout = "verl" if "reward_model" in row else "trl"
+            examples.append(_example(row, source, layout, prompt_column, renames))
+        except _BadRow as bad:
+            if on_bad_row == "error":
+                raise ConfigError(str(bad)) from None
+            skipped.append(str(bad))
+        if limit is not None and len(examples) == limit:
+            break
+    if skipped:
+        shown = "; ".join(skipped[:_SHOWN_SKIPS]) + ("; ..." if len(skipped) > _SHOWN_SKIPS else "")
+        warnings.warn(f"dataset {path}: skipped {len(skipped)} malformed rows: {shown}", stacklevel=2)
+    if not examples:
+        why = f"all {len(skipped)} rows are malformed" if skipped else "the file has no rows"
+        raise ConfigError(f"dataset {path}: no examples ({why})")
+    return examples
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | _BadRow]]:
+    """(source, row) per non-blank line; a line that is not a JSON object comes as a `_BadRow`.
+    Lines are decoded one by one so a stray byte costs one row, not the file."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            source = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield source, _BadRow(f"{path} line {number}: not UTF-8 text ({exc})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield source, _BadRow(f"{path} line {number}: not valid JSON ({exc})")
+                continue
+            if not isinstance(row, dict):
+                yield source, _BadRow(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+                continue
+            yield source, row
+
+
+def _parquet_rows(path: Path, prompt_column: str) -> Iterator[tuple[str, dict]]:
+    """(source, row) per Parquet row, read batch by batch so `limit` does not read the whole file;
+    nested structs and lists arrive as dicts and lists."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(f"dataset {path}: not a readable Parquet file ({exc})") from exc
+    names = file.schema_arrow.names
+    if prompt_column not in names:
+        raise ConfigError(f"dataset {path}: no column {prompt_column!r} for the prompt; columns are {names}")
+    index = 0
+    batches = file.iter_batches(batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:
+            raise ConfigError(f"dataset {path}: cannot read its rows from row {index} on ({exc})") from exc
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            yield f"{path}:{index}", row
+            index += 1
+
+
+def _example(row: dict, source: str, layout: str, prompt_column: str, renames: dict[str, str]) -> Example:
+    where = _where(source)
+    if prompt_column not in row:
+        raise _BadRow(f"{where}: no column {prompt_column!r} for the prompt; the row has {sorted(row)}")
+    prompt = _check_prompt(row[prompt_column], f"{where}, column {prompt_column!r}")
+    found = {k: v for k, v in row.items() if k != prompt_column}
+    if layout == "verl":
+        reward_model = found.get("reward_model")
+        if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+            raise _BadRow(f"{where}, column 'reward_model': expected a record with 'ground_truth' "
+                          f"(verl layout), got {_preview(reward_model)}")
+        found["ground_truth"] = reward_model["ground_truth"]
+    missing = [name for name in renames if name not in found]
+    if missing:
+        raise _BadRow(f"{where}: no column {missing[0]!r} to rename to {renames[missing[0]]!r}; "
+                      f"the row has {sorted(found)}")
+    kept = {k: v for k, v in found.items() if k not in renames}
+    kept.update({renames[k]: v for k, v in found.items() if k in renames})
+    return Example(prompt, kept, source)
+
+
+def _check_prompt(prompt: object, where: str) -> str | list[dict]:
+    """Plain text, or a non-empty list of {role, content} messages with text in both."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise _BadRow(f"{where}: the prompt is empty")
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        for i, message in enumerate(prompt):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise _BadRow(f"{where}: message {i} must be {{'role': str, 'content': str}}, "
+                              f"got {_preview(message)}")
+        return prompt
+    raise _BadRow(f"{where}: expected a prompt string or a list of chat messages, got {_preview(prompt)}")
+
+
+def _where(source: str) -> str:
+    """'data.jsonl:7' -> 'data.jsonl line 7', 'data.parquet:7' -> 'data.parquet row 7'."""
+    file, _, number = source.rpartition(":")
+    return f"{file} {'line' if file.endswith('.jsonl') else 'row'} {number}"
+
+
+def _preview(value: object, width: int = 80) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= width else text[:width] + '...'}"

@@ -1,0 +1,105 @@
+"""`TrainConfig`: every knob of a GRPO run, flat so that each is one `key=value` on the command line.
+
+The fields fall in five groups (model and data, rollout, loss, optimisation, run); `loss()` and
+`engine()` hand the relevant ones to the component that owns them, whose own config validates again.
+Defaults are the embedded default: the default model on the built-in task with adaptive speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tlt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # --- model and data
+    model: str = "default"
+    drafter: str | None = "default"  # needed by the chain/tree arms of speculation; None: n-gram only
+    task: str = "arithmetic"  # built-in task, used unless `dataset` is given
+    dataset: str | None = None  # a JSONL or Parquet file (verl or TRL layout)
+    eval_dataset: str | None = None
+    prompt_column: str = "prompt"
+    reward: str = "arithmetic"  # a registered reward or an import path module:function
+    reward_workers: int = 0  # 0: in-process; >= 1: a process pool with a per-call timeout
+    reward_timeout_s: float = 30.0
+    train_problems: int = 20000  # problems drawn from the built-in task's train split
+    # --- rollout
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_response_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    speculative: str = "adaptive"  # off, on (one fixed `strategy`) or adaptive
+    strategy: str | None = None
+    max_batch_size: int = 256
+    # --- loss
+    normalize_std: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: str = "token"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    filter_groups: bool = False  # drop groups whose rewards are all equal (they carry no signal)
+    old_logprobs: str = "rollout"  # "rollout": the engine's; "recompute": a trainer forward before the update
+    # --- optimisation
+    lr: float = 2e-4
+    lr_schedule: str = "constant"  # constant or cosine (to 10% of lr at `steps`)
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    mini_batches: int = 1  # optimizer steps per rollout, each on a slice of the groups
+    row_tokens: int = 256  # episodes are packed into rows this long (attention cost grows with its square)
+    micro_batch_tokens: int = 4096  # tokens per micro-batch of rows (gradient accumulation over them)
+    dtype: str = "float32"  # float32 or bfloat16 (autocast) for the trainer's forward; measure: on CPUs
+    # without bf16 matrix units autocast is slower than float32
+    # --- run
+    steps: int = 60
+    seed: int = 0
+    eval_every: int = 10
+    eval_problems: int = 128
+    eval_samples: int = 4  # samples per eval problem at the training temperature (pass@k, k = eval_samples)
+    save_every: int = 10
+    keep_checkpoints: int = 2
+    threads: int = 0
+    tensorboard: bool = False
+    progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("train_problems", "prompts_per_step", "group_size", "max_response_tokens", "max_batch_size",
+                    "mini_batches", "row_tokens", "micro_batch_tokens", "steps", "eval_problems", "eval_samples",
+                    "keep_checkpoints")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"field {name!r} must be an integer >= 1, got {value!r}")
+        for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"field {name!r} must be an integer >= 0, got {value!r}")
+        choices = {"speculative": ("off", "on", "adaptive"), "old_logprobs": ("rollout", "recompute"),
+                   "lr_schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16"),
+                   "aggregation": ("token", "sequence")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"field {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.group_size < 2:
+            raise ConfigError(f"field 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}")
+        if self.mini_batches > self.prompts_per_step:
+            raise ConfigError(f"field 'mini_batches' ({self.mini_batches}) must be <= prompts_per_step ({self.prompts_per_step})")
+        if not self.temperature > 0:
+            raise ConfigError(f"field 'temperature' must be > 0 for RL sampling, got {self.temperature}")
+        if self.lr <= 0 or self.reward_timeout_s <= 0:
+            raise ConfigError("fields 'lr' and 'reward_timeout_s' must be > 0")
+        if self.speculative == "on" and not self.strategy:
+            raise ConfigError("field 'strategy' is needed when speculative=on (e.g. tree-d6-k2-v16 or ngram-d4)")
+        self.loss()  # validates the loss fields
+
+    def loss(self):
+        from tlt.rl.grpo import LossConfig
+
+        return LossConfig(self.clip_low, self.clip_high, self.aggregation, self.kl_coef, self.entropy_coef)

@@ -1,0 +1,120 @@
+"""GRPO math: group-relative advantages, the clipped surrogate, the k3 KL estimator, entropy.
+
+Pure tensor functions, named as in the papers (GRPO: Shao et al. 2024; DAPO: Yu et al. 2025).
+  advantage   A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   (std optional: Dr. GRPO drops it)
+  ratio       rho_t = exp(logp_t - logp_old_t)
+  surrogate   L_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)   (clip-higher: eps_high > eps_low)
+  KL (k3)     k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1 >= 0, unbiased for KL(pi || ref)
+Aggregation: "token" averages over every response token of the whole step batch (DAPO); "sequence"
+averages each response over its own tokens, then over responses (the original GRPO). Both take the
+normaliser as an argument so that micro-batches with gradient accumulation add up to exactly the loss of
+the full batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.errors import ConfigError
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, normalize_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Advantages [N] of rewards [N] against the mean (and std) of their group; groups [N] are group ids.
+    A group whose rewards are all equal gets advantage 0 for every member."""
+    rewards = rewards.double()
+    ids, inverse = torch.unique(groups, return_inverse=True)  # [G], [N]
+    count = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(rewards))  # [G]
+    mean = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, rewards) / count  # [G]
+    centred = rewards - mean[inverse]  # [N]
+    if not normalize_std:
+        return centred.float()
+    # Unbiased std, as torch.std: a group of one has no spread, its advantage is 0 anyway.
+    square = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, centred**2)  # [G]
+    std = (square / (count - 1).clamp(min=1)).sqrt()  # [G]
+    return (centred / (std[inverse] + eps)).float()
+
+
+def zero_variance_groups(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Mask [N]: True where the sample's group has all-equal rewards (no learning signal)."""
+    ids, inverse = torch.unique(groups, return_inverse=True)
+    high = torch.full((len(ids),), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, inverse, rewards, "amax")
+    low = torch.full((len(ids),), torch.inf, dtype=rewards.dtype).scatter_reduce(0, inverse, rewards, "amin")
+    return (high == low)[inverse]
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref) from log-probs of the sampled tokens (same shape)."""
+    log_ratio = ref_logp - logp
+    return log_ratio.exp() - log_ratio - 1
+
+
+def entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """Entropy [...] of distributions given as log-probs [..., V] (-inf entries contribute 0)."""
+    p = logprobs.exp()
+    return -(p * logprobs.masked_fill(p == 0, 0)).sum(-1)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: str = "token"  # "token" or "sequence"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in ("token", "sequence"):
+            raise ConfigError(f"field 'aggregation' must be token or sequence, got {self.aggregation!r}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ConfigError(f"fields 'clip_low' in [0, 1) and 'clip_high' >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ConfigError("fields 'kl_coef' and 'entropy_coef' must be >= 0")
+
+
+def token_weights(lengths: torch.Tensor, aggregation: str, total_tokens: int, total_responses: int) -> torch.Tensor:
+    """Per-token weights [sum(lengths)] of responses with `lengths` [B] (concatenated in order), such
+    that the weighted sum over every micro-batch of a step is its "token" or "sequence" mean."""
+    if aggregation == "token":
+        return torch.full((int(lengths.sum()),), 1.0 / total_tokens)
+    per_response = 1.0 / (lengths.clamp(min=1).double() * total_responses)  # [B]
+    return per_response.repeat_interleave(lengths).float()
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    config: LossConfig,
+    ref_logp: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of one micro-batch and its parts, all weighted sums so micro-batches add up.
+
+    Every argument is per response token, flat [N]: log-probs under the policy (with gradient), at
+    rollout (old) and under the reference; the advantage of the token's response; the token's weight
+    from `token_weights`; the entropy of the policy's distribution at the token."""
+    ratio = (logp - old_logp).exp()  # [N]
+    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)  # [N]
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [N]
+    is_clipped = (ratio * advantages > clipped * advantages).to(logp.dtype)  # [N]: the clip is active
+    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # [N]
+    if config.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs the reference log-probs")
+        per_token = per_token + config.kl_coef * kl
+    if entropies is None:
+        entropies = torch.zeros_like(logp)
+    if config.entropy_coef > 0:
+        per_token = per_token - config.entropy_coef * entropies
+    loss = (per_token * weights).sum()
+    parts = {
+        "ratio": (ratio.detach() * weights).sum(),
+        "clip_fraction": (is_clipped.detach() * weights).sum(),
+        "kl": (kl.detach() * weights).sum(),
+        "entropy": (entropies.detach() * weights).sum(),
+    }
+    return loss, parts
