@@ -27,3 +27,13 @@ def by_completion(prompts, completions, target=None, **_):
 
 def one_too_many(prompts, completions, **_):
     return [1.0] * (len(completions) + 1)
+
+
+def digit_fraction(prompts, completions, **_):
+    """The fraction of a completion's characters that are digits: a dense signal a random model varies on."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def poisoned(prompts, completions, **_):
+    """NaN for every completion: a reward bug the trainer must catch before it reaches the weights."""
+    return [float("nan")] * len(completions)

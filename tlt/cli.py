@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("tlt.evaluate", "accuracy of a model on fresh problems of the built-in task"),
     "bench": ("tlt.bench", "benchmarks: forward, rollout, speculative"),
     "train-drafter": ("tlt.speculative.train", "train an EAGLE drafter offline on the target's own generations"),
+    "export-drafter": ("tlt.speculative.export", "write a drafter as an EAGLE draft head for SGLang and vLLM"),
 }
 
 

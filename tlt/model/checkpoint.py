@@ -1,10 +1,12 @@
 """Loading and saving Hugging Face model folders.
 
 A folder holds `config.json` and the weights as `model.safetensors` or as shards listed in
-`model.safetensors.index.json` (its `weight_map` maps tensor names to shard files). Built-in names
-(`default`) resolve to folders shipped inside the package. Every failure names the file and the field
-or tensor at fault; every file is written atomically (temporary file, then rename), so an interrupted
-save never leaves a torn checkpoint behind.
+`model.safetensors.index.json` (its `weight_map` maps tensor names to shard files). Generation stops on
+the eos ids of `config.json` and of `generation_config.json` together: chat models often declare their
+end-of-turn token only in the latter, and transformers' `generate` stops on it, so a rollout must
+too. Built-in names (`default`) resolve to folders shipped inside the package. Every failure names the
+file and the field or tensor at fault; every file is written atomically (temporary file, then
+rename), so an interrupted save never leaves a torn checkpoint behind.
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ def load_config(path_or_name: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_hf_dict(read_json(path), source=str(path))
 
 
+def generation_eos(folder: Path) -> list[int]:
+    """The eos ids of the folder's `generation_config.json` (an int or a list); [] when it has none."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = read_json(path).get("eos_token_id")
+    if eos is None:
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{path}: field 'eos_token_id' must be a token id or a list of token ids, got {eos!r}")
+    return ids
+
+
 def parse_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
     if dtype is None:
         return torch.float32
@@ -109,9 +125,13 @@ def load_model(
     device: torch.device | str | None = None,
 ) -> Transformer:
     """Load a Hugging Face folder (Llama, Qwen2, Qwen3) or a built-in model by name. dtype: None is
-    float32, 'auto' is the dtype recorded in config.json."""
+    float32, 'auto' is the dtype recorded in config.json. The model's `config.eos_token_id` lists the
+    eos ids of config.json followed by those only generation_config.json declares."""
     folder = resolve_model_path(path_or_name)
     config = load_config(folder)
+    extra_eos = [i for i in generation_eos(folder) if i not in config.eos_token_ids]
+    if extra_eos:
+        config = config.replace(eos_token_id=config.eos_token_ids + extra_eos)
     target = parse_dtype(dtype, config)
     with torch.device("meta"):
         model = Transformer(config)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tlt.data import Example
-from tlt.errors import TrainingError
+from tlt.errors import CheckpointError, TrainingError
 from tlt.rl.config import TrainConfig
 from tlt.rl.episode import Episode, MicroBatch, pack
 from tlt.rl.grpo import entropy, group_advantages, policy_loss, token_weights, zero_variance_groups
@@ -310,7 +310,11 @@ class GRPOTrainer:
                 "python_rng": random.getstate()}
 
     def load_state_dict(self, state: dict, policy_state: dict, tuner_state: dict | None = None) -> None:
-        self.policy.load_state_dict(policy_state)
+        missing, unexpected = self.policy.load_state_dict(policy_state, strict=False)
+        tied = self.policy.config.tie_word_embeddings
+        if unexpected or [k for k in missing if not (tied and k == "lm_head.weight")]:
+            raise CheckpointError(f"checkpoint policy does not match the model: missing {missing[:5]}, "
+                                  f"unexpected {unexpected[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

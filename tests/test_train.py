@@ -1,0 +1,143 @@
+"""The GRPO trainer end to end on a tiny random model: the importance ratio starts at 1, weights reach
+the engine with their version, resume is exact, a non-finite loss stops the run with the last good
+checkpoint intact, and bad config fails at start naming the key."""
+
+import json
+
+import pytest
+import torch
+
+from tlt.config import from_dict
+from tlt.errors import ConfigError, StaleWeightsError, TrainingError
+from tlt.rl import GRPOTrainer, TrainConfig
+from tlt.rl.checkpoint import latest_checkpoint
+from tlt.rl.run import train
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tlt.model import ModelConfig, Transformer
+    from tlt.tasks import CharTokenizer
+
+    folder = tmp_path_factory.mktemp("rl-model")
+    tokenizer = CharTokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def config(model_dir, **overrides):
+    fields = dict(model=str(model_dir), drafter=None, speculative="off", reward="reward_fixtures:digit_fraction",
+                  train_problems=64, prompts_per_step=4, group_size=4, max_response_tokens=12, eval_problems=4,
+                  eval_samples=2, eval_every=0, save_every=0, lr=1e-2, steps=3)
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+@pytest.mark.parametrize("old_logprobs", ["rollout", "recompute"])
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+def test_importance_ratio_starts_at_one(model_dir, old_logprobs, warp):
+    trainer = GRPOTrainer(config(model_dir, old_logprobs=old_logprobs, **warp))
+    row = trainer.train_step()
+    assert row["ratio_first_max_dev"] < 1e-3
+    assert row["loss"] != 0.0  # the reward varies, so there was something to learn from
+    trainer.close()
+
+
+def test_weights_reach_the_engine_with_their_version(model_dir):
+    trainer = GRPOTrainer(config(model_dir, old_logprobs="rollout"))
+    before = {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
+    trainer.train_step()
+    assert trainer.engine.weights_version == trainer.step == 1
+    for name, tensor in trainer.engine.model.state_dict().items():
+        assert torch.equal(tensor, trainer.policy.state_dict()[name])
+    assert any(not torch.equal(before[k], v) for k, v in trainer.engine.model.state_dict().items())
+    with pytest.raises(StaleWeightsError, match="version 0"):
+        trainer.engine.generate([[1, 5, 6]], weights_version=0)
+    trainer.close()
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_kl_and_entropy_terms_run(model_dir, mini_batches):
+    trainer = GRPOTrainer(config(model_dir, kl_coef=0.05, entropy_coef=0.01, aggregation="sequence",
+                                 mini_batches=mini_batches))
+    first = trainer.train_step()
+    second = trainer.train_step()
+    if mini_batches == 1:  # the policy equals the reference until the step's only optimizer step
+        assert first["kl"] == pytest.approx(0.0, abs=1e-6)
+    else:  # the second mini-batch sees a policy one optimizer step past the rollout's
+        assert first["kl"] > 0 and first["ratio"] != pytest.approx(1.0, abs=1e-6)
+    assert second["kl"] > 0
+    assert second["entropy"] > 0
+    trainer.close()
+
+
+def _comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith("time_") and k not in ("tokens_per_s", "eval_time_s")}
+
+
+def test_resume_gives_the_same_next_step(model_dir, tmp_path):
+    c = config(model_dir, steps=3, save_every=1, eval_every=3)
+    whole = train(c, tmp_path / "whole", log=lambda *_: None).metrics
+    train(c, tmp_path / "killed", log=lambda *_: None, stop_after=2)
+    # A killed run may have written a metrics row after its last checkpoint; resume must drop it.
+    with (tmp_path / "killed" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "reward": -1}) + "\n")
+    (tmp_path / "killed" / "checkpoints" / "latest.json").write_text(json.dumps({"step": 2, "dir": "step_00000002"}))
+    resumed = train(c, tmp_path / "killed", resume=True, log=lambda *_: None).metrics
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert _comparable(resumed[-1]) == _comparable(whole[-1])
+    assert _comparable(resumed[1]) == _comparable(whole[1])
+
+
+def test_nan_loss_stops_with_the_last_checkpoint_intact(model_dir, tmp_path):
+    c = config(model_dir, steps=3, save_every=1)
+    train(c, tmp_path / "run", log=lambda *_: None, stop_after=1)
+    saved = latest_checkpoint(tmp_path / "run")
+    weights = (saved / "policy" / "model.safetensors").read_bytes()
+    poisoned = from_dict(TrainConfig, {**json.loads((tmp_path / "run" / "config.json").read_text())})
+    trainer = GRPOTrainer(poisoned, tmp_path / "run")
+    with torch.no_grad():
+        next(trainer.policy.parameters()).fill_(float("nan"))
+    with pytest.raises(TrainingError, match="loss is nan.*last good checkpoint"):
+        trainer.update([e for e in trainer.rollout(trainer.examples_for_step(0), 0)[0]], {}, {})
+    assert latest_checkpoint(tmp_path / "run") == saved
+    assert (saved / "policy" / "model.safetensors").read_bytes() == weights
+    trainer.close()
+
+
+def test_run_directory_holds_metrics_checkpoints_and_eval(model_dir, tmp_path):
+    c = config(model_dir, steps=2, save_every=1, eval_every=1, keep_checkpoints=1)
+    rows = train(c, tmp_path / "run", log=lambda *_: None).metrics
+    assert rows[0]["step"] == 0 and "eval_accuracy" in rows[0] and "eval_pass@2" in rows[0]
+    for key in ("reward", "response_length_p99", "time_rollout_s", "time_reward_s", "time_update_s", "time_sync_s",
+                "time_logprob_s", "live_batch", "tokens_per_s", "eval_greedy_accuracy"):
+        assert key in rows[-1]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_00000002"]
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(c, tmp_path / "run", log=lambda *_: None)
+
+
+def test_bad_config_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="promts_per_step"):
+        from_dict(TrainConfig, {"promts_per_step": "4"})
+    with pytest.raises(ConfigError, match="'group_size'"):
+        from_dict(TrainConfig, {"group_size": "1"})
+    with pytest.raises(ConfigError, match="'aggregation'"):
+        from_dict(TrainConfig, {"aggregation": "mean"})
+    with pytest.raises(ConfigError, match="'lr'"):
+        from_dict(TrainConfig, {"lr": "fast"})
+    with pytest.raises(ConfigError, match="strategy"):
+        TrainConfig(speculative="on")
+
+
+def test_unknown_reward_fails_at_start(model_dir):
+    with pytest.raises(ConfigError, match="no_such_module"):
+        GRPOTrainer(config(model_dir, reward="no_such_module:f"))

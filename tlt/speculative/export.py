@@ -1,0 +1,227 @@
+"""`tlt export-drafter`: a tlt drafter in the EAGLE layout SGLang and vLLM load as a draft head.
+
+Written layout (an EAGLE-1/2 Llama draft head):
+    OUT/config.json        a Llama config of the target's shape (hidden_size, heads, kv heads, head_dim,
+                           intermediate_size, rms_norm_eps, rope_theta/rope_scaling, vocab_size,
+                           max_position_embeddings, ...) with num_hidden_layers = 1 and
+                           architectures ["LlamaForCausalLMEagle"]
+    OUT/model.safetensors  fc.weight [H, 2H], fc.bias [H],
+                           layers.0.self_attn.{q,k,v,o}_proj.weight (and .bias with attention_bias),
+                           layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}_proj.weight
+No embedding and no LM head: the serving engine gives the draft head the target's, as tlt does.
+SGLang loads the folder by that class name; vLLM's method="eagle" derives its class by prefixing
+"Eagle" to the config's architectures, so it wants ["LlamaForCausalLM"] there instead.
+
+What that head computes (SGLang and vLLM `llama_eagle.py`, EAGLE's `cnets1.py`):
+    h = fc(cat(embed(x[t+1]), f[t]))    the token's embedding first, then the target feature
+    f_hat = layers.0(h)                 a Llama decoder layer whose input_layernorm is the identity
+    logits = lm_head(f_hat)             no output norm; f_hat is also the next step's feature
+tlt's drafter (drafter.py) concatenates in the same order, so the map is by name: `fc.*` -> `fc.*`,
+`layer.<name>` -> `layers.0.<name>`. Zeros complete the Llama layout without changing the function:
+`fc.bias` (SGLang's fc has a bias, tlt's has none) and, for a Qwen2 target (q/k/v bias, no o bias),
+`o_proj.bias`, since Llama's `attention_bias` covers all four projections.
+
+A tensor with no counterpart is refused, never dropped, because the serving engine would then run a
+different function and acceptance would silently collapse: an input norm on the drafter's layer
+(`layer.input_layernorm`), an output norm (`norm`), per-head q/k norms (Qwen3 targets). tlt's drafter
+as drafter.py builds it has the first two, so its checkpoints are refused until it is trained without
+them. The EAGLE-3 variant (`feature_layers`) is refused too: `LlamaForCausalLMEagle3` fuses the low,
+mid and high target layers with `fc` 3H -> H, feeds `midlayer` q/k/v a 2H input
+cat(input_layernorm(embed), hidden_norm(h)) with h alone as the residual, takes logits from
+norm(output) with its own LM head over a draft vocabulary (d2t) and feeds the un-normalised output
+back; tlt fuses kH -> H, then applies fc 2H -> H and a standard H-input layer. No assignment of
+weights makes the two equal.
+
+Input: a drafter folder as `Drafter.save` writes it (drafter_config.json, drafter.safetensors), or a
+run directory holding `drafter/` or `checkpoints/step_*/drafter/` (the highest step). The target's
+shape comes from `target` (a model folder or built-in name), else from the checkpoint's `policy/`
+beside the drafter, else from the drafter's `target_name`. The output folder is built beside its
+destination and renamed into place, so it is complete or absent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tlt.errors import CheckpointError, ConfigError
+from tlt.model.config import ModelConfig
+from tlt.speculative.drafter import DrafterConfig
+
+ARCHITECTURE = "LlamaForCausalLMEagle"
+_LAYER_TENSORS = (
+    {f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")}
+    | {f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down") for kind in ("weight", "bias")}
+    | {"post_attention_layernorm.weight"}
+)
+_NO_COUNTERPART = {
+    "layer.input_layernorm.weight": "EAGLE-1's decoder layer has no input norm (its input_layernorm is the identity)",
+    "norm.weight": "EAGLE-1 has no output norm: the layer's output goes to the LM head and back unnormalised",
+    "layer.self_attn.q_norm.weight": "Llama attention has no per-head q/k norm (a Qwen3 target)",
+    "layer.self_attn.k_norm.weight": "Llama attention has no per-head q/k norm (a Qwen3 target)",
+}
+
+
+def find_drafter(path: str | os.PathLike) -> Path:
+    """The drafter folder `path` names: itself, its `drafter/`, or its highest `checkpoints/step_*/drafter/`."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder (expected a drafter folder or a run directory)")
+    if (folder / "drafter_config.json").is_file():
+        return folder
+    if (folder / "drafter").is_dir():
+        return folder / "drafter"
+    steps = [p for p in (folder / "checkpoints").glob("step_*/drafter") if p.is_dir() and p.parent.name[5:].isdigit()]
+    if steps:
+        return max(steps, key=lambda p: int(p.parent.name[5:]))
+    raise CheckpointError(f"{folder}: holds no drafter (expected drafter_config.json, drafter/ or "
+                          "checkpoints/step_*/drafter/)")
+
+
+def export_eagle(source: str | os.PathLike, out_dir: str | os.PathLike,
+                 target: str | os.PathLike | None = None) -> Path:
+    """Write the drafter `source` names (see find_drafter) to `out_dir` as a LlamaForCausalLMEagle
+    draft head; `target` names the target model when the drafter folder does not. Returns out_dir."""
+    from safetensors.torch import save
+
+    from tlt.io import atomic_write_bytes, atomic_write_json
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: already exists and is not an empty folder; choose a new output folder")
+    folder = find_drafter(source)
+    config, state = _read_drafter(folder)
+    tensors = eagle_tensors(config, state, str(folder / "drafter.safetensors"))
+    model = _target_config(folder, config, target)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        atomic_write_json(tmp / "config.json", eagle_config(model, tensors))
+        atomic_write_bytes(tmp / "model.safetensors", save(tensors, metadata={"format": "pt"}))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary folder
+        if out.is_dir():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def eagle_tensors(config: DrafterConfig, state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """tlt drafter tensors under their EAGLE-1 names, completed with the zero biases the Llama layout
+    needs; a ConfigError names every tensor that has no exact counterpart."""
+    if config.feature_layers:
+        raise ConfigError(f"{where}: an EAGLE-3 style drafter (feature_layers {list(config.feature_layers)}) does not "
+                          "map onto LlamaForCausalLMEagle3: its fusion and decoder layer differ (see "
+                          "tlt/speculative/export.py)")
+    refused = {name: _NO_COUNTERPART.get(name, "not a tensor of tlt's drafter") for name in state
+               if _eagle_name(name) is None}
+    if refused:
+        reasons = "; ".join(f"{name}: {why}" for name, why in sorted(refused.items()))
+        raise ConfigError(f"{where}: cannot be written as {ARCHITECTURE} without changing what it computes ({reasons})")
+    out = {_eagle_name(name): t.contiguous() for name, t in state.items()}
+    fc = out["fc.weight"]
+    out.setdefault("fc.bias", fc.new_zeros(fc.shape[0]))
+    if any(f"layers.0.self_attn.{p}_proj.bias" in out for p in "qkvo"):
+        for p in "qkvo":
+            weight = out[f"layers.0.self_attn.{p}_proj.weight"]
+            out.setdefault(f"layers.0.self_attn.{p}_proj.bias", weight.new_zeros(weight.shape[0]))
+    return out
+
+
+def eagle_config(target: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict:
+    """The draft head's config.json: the target's Llama fields, one layer. rope is written in both the
+    transformers 5 layout (rope_parameters) and the older one (rope_theta, rope_scaling) that serving
+    engines pinned to transformers 4 read."""
+    c = target
+    rope = {"rope_theta": c.rope_theta, "rope_type": "default", **(c.rope_scaling or {})}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "rope_parameters": rope,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": "layers.0.self_attn.q_proj.bias" in tensors,
+        "mlp_bias": "layers.0.mlp.gate_proj.bias" in tensors,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "torch_dtype": str(tensors["fc.weight"].dtype).removeprefix("torch."),
+    }
+
+
+def _eagle_name(name: str) -> str | None:
+    if name in ("fc.weight", "fc.bias"):
+        return name
+    if name.startswith("layer.") and name[len("layer."):] in _LAYER_TENSORS:
+        return "layers.0." + name[len("layer."):]
+    return None
+
+
+def _read_drafter(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from tlt.model.checkpoint import read_json
+
+    cfg_path = folder / "drafter_config.json"
+    try:
+        config = DrafterConfig(**read_json(cfg_path))
+    except TypeError as exc:
+        raise CheckpointError(f"{cfg_path}: {exc}") from None
+    weights = folder / "drafter.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: weights file is missing")
+    try:
+        return config, load_file(str(weights))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{weights}: cannot read safetensors weights ({exc})") from None
+
+
+def _target_config(folder: Path, config: DrafterConfig, target: str | os.PathLike | None) -> ModelConfig:
+    from tlt.model.checkpoint import load_config
+
+    policy = folder.parent / "policy"
+    name = target or (policy if (policy / "config.json").is_file() else config.target_name)
+    if name is None:
+        raise ConfigError(f"{folder}: the drafter does not name its target model; pass the target (--target MODEL)")
+    model = load_config(name)
+    for field, mine, theirs in (("target_architecture", config.target_architecture, model.architecture),
+                                ("hidden_size", config.hidden_size, model.hidden_size),
+                                ("vocab_size", config.vocab_size, model.vocab_size),
+                                ("target_layers", config.target_layers, model.num_hidden_layers)):
+        if mine != theirs:
+            raise CheckpointError(f"{folder / 'drafter_config.json'}: field {field!r} is {mine!r} but the target "
+                                  f"{name} has {theirs!r}")
+    return model
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", metavar="RUN_DIR", help="a drafter folder, or a run directory holding drafter/ "
+                        "or checkpoints/step_*/drafter/ (the highest step is exported)")
+    parser.add_argument("out", metavar="OUT_DIR", help="new folder for the EAGLE draft head")
+    parser.add_argument("--target", metavar="MODEL", default=None,
+                        help="the target model folder or built-in name (default: the checkpoint's policy/, "
+                        "else the drafter's target_name)")
+
+
+def run(args) -> int:
+    out = export_eagle(args.source, args.out, args.target)
+    print(f"wrote {out} ({ARCHITECTURE}: config.json, model.safetensors)")
+    return 0
