@@ -279,8 +279,11 @@ class GRPOTrainer:
         batch_sizes = stats["batch_sizes"]
         stride = max(1, math.ceil(len(batch_sizes) / 64))
         counts: dict[str, int] = {}
-        for s in stats["strategies"]:
+        by_batch: dict[str, dict[str, int]] = {}
+        for size, s in zip(batch_sizes, stats["strategies"]):
             counts[s] = counts.get(s, 0) + 1
+            by_batch.setdefault(str(size), {}).setdefault(s, 0)
+            by_batch[str(size)][s] += 1
         return {
             "step": self.step,
             "reward": float(rewards.mean()),
@@ -294,6 +297,8 @@ class GRPOTrainer:
             "tokens_per_s": tokens / max(times["rollout"], 1e-9),
             "acceptance_length": stats["acceptance_length"],
             "strategies": counts,
+            "strategy_by_batch": by_batch,
+            "response_lengths": lengths.tolist(),
             "live_batch": batch_sizes[::stride],
             "rollout_steps": len(batch_sizes),
             "groups_filtered": filtered,
