@@ -1,4 +1,5 @@
-"""Reward functions that misbehave on request, for the reward runner's tests.
+"""Reward functions for tests: ones that misbehave on request (the reward runner's tests) and simple
+user rewards that read extra dataset columns (the trainer's tests).
 
 They live in a module of their own, not in a test file, so worker processes can import them by the
 spec "reward_fixtures:name": pytest puts tests/ on sys.path, and spawned workers inherit sys.path.
@@ -37,3 +38,10 @@ def digit_fraction(prompts, completions, **_):
 def poisoned(prompts, completions, **_):
     """NaN for every completion: a reward bug the trainer must catch before it reaches the weights."""
     return [float("nan")] * len(completions)
+
+
+def scaled_words(prompts, completions, scale=None, **_):
+    """`scale` (an extra dataset column) times the completion's word count; a row without the column
+    scores 0, so a run whose rewards are all 0 never saw the column."""
+    scales = scale if scale is not None else [None] * len(completions)
+    return [0.0 if s is None else float(s) * len(c.split()) for c, s in zip(completions, scales)]

@@ -104,8 +104,11 @@ def test_nan_loss_stops_with_the_last_checkpoint_intact(model_dir, tmp_path):
     trainer = GRPOTrainer(poisoned, tmp_path / "run")
     with torch.no_grad():
         next(trainer.policy.parameters()).fill_(float("nan"))
+    episodes = trainer.rollout(trainer.examples_for_step(0), 0)[0]
+    for i, e in enumerate(episodes):
+        e.advantage = 1.0 if i % 2 else -1.0
     with pytest.raises(TrainingError, match="loss is nan.*last good checkpoint"):
-        trainer.update([e for e in trainer.rollout(trainer.examples_for_step(0), 0)[0]], {}, {})
+        trainer.update(episodes, {}, {})
     assert latest_checkpoint(tmp_path / "run") == saved
     assert (saved / "policy" / "model.safetensors").read_bytes() == weights
     trainer.close()
@@ -141,3 +144,24 @@ def test_bad_config_names_the_key(tmp_path):
 def test_unknown_reward_fails_at_start(model_dir):
     with pytest.raises(ConfigError, match="no_such_module"):
         GRPOTrainer(config(model_dir, reward="no_such_module:f"))
+
+
+def test_skipping_zero_advantage_responses_leaves_the_update_unchanged(model_dir):
+    """Responses of all-equal groups are left out of the forward; the weights after the step must be
+    the same as when every response runs."""
+    from tlt.rewards import register
+
+    @register("test-sparse")
+    def sparse(prompts, completions, **_):  # groups 0 and 1 vary, groups 2 and 3 are all equal
+        return [float(i % 2) if i < 8 else 0.5 for i in range(len(completions))]
+
+    results = {}
+    for skip in (True, False):
+        trainer = GRPOTrainer(config(model_dir, reward="test-sparse", skip_zero_advantage=skip, mini_batches=2))
+        row = trainer.train_step()
+        results[skip] = ({k: v.clone() for k, v in trainer.policy.state_dict().items()}, row)
+        trainer.close()
+    assert results[True][1]["responses_in_update"] == 8 and results[False][1]["responses_in_update"] == 16
+    assert results[True][1]["loss"] == pytest.approx(results[False][1]["loss"], abs=1e-6)
+    for name, tensor in results[True][0].items():
+        assert torch.allclose(tensor, results[False][0][name], atol=1e-6), name

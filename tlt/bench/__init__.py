@@ -10,6 +10,7 @@ BENCHES = {
     "forward": "tlt.bench.forward",
     "rollout": "tlt.bench.rollout",
     "speculative": "tlt.bench.speculative",
+    "e2e": "tlt.bench.e2e",
 }
 
 

@@ -9,6 +9,8 @@ Layout of a run directory:
         trainer_state.pt     optimizer, torch and Python RNG states, step, policy version, data position
         tuner.json           the adaptive engine's tuner, when there is one
         drafter/             the drafter, when it is trained during the run
+    tensorboard/, wandb/     TensorBoard events and the W&B run, when asked (wandb_run.json holds its id)
+    report/                  `tlt report`: figures and report.md
 A checkpoint is written into a hidden temporary folder and renamed into place, then `latest.json` is
 replaced atomically: a crash at any moment leaves the previous checkpoint as the newest complete one.
 Older checkpoints beyond `keep` are removed only after the new one is in place.

@@ -43,6 +43,7 @@ class TrainConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     filter_groups: bool = False  # drop groups whose rewards are all equal (they carry no signal)
+    skip_zero_advantage: bool = True  # exact: such responses add nothing to the gradient (no KL/entropy)
     old_logprobs: str = "rollout"  # "rollout": the engine's; "recompute": a trainer forward before the update
     # --- optimisation
     lr: float = 2e-4
@@ -67,6 +68,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     threads: int = 0
     tensorboard: bool = False
+    wandb: bool = False  # scalars to Weights & Biases (WANDB_MODE=offline writes them locally only)
+    wandb_project: str = "tlt"
     progress: bool | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +98,8 @@ class TrainConfig:
             raise ConfigError(f"field 'temperature' must be > 0 for RL sampling, got {self.temperature}")
         if self.lr <= 0 or self.reward_timeout_s <= 0:
             raise ConfigError("fields 'lr' and 'reward_timeout_s' must be > 0")
+        if not isinstance(self.wandb_project, str) or not self.wandb_project.strip():
+            raise ConfigError(f"field 'wandb_project' must be a non-empty name, got {self.wandb_project!r}")
         if self.speculative == "on" and not self.strategy:
             raise ConfigError("field 'strategy' is needed when speculative=on (e.g. tree-d6-k2-v16 or ngram-d4)")
         self.loss()  # validates the loss fields

@@ -1,17 +1,22 @@
-"""Per-step metrics: a JSONL file always, TensorBoard when installed and asked, a console table.
+"""Per-step metrics: a JSONL file always, TensorBoard and Weights & Biases when asked, a console table.
 
 `metrics.jsonl` holds one object per step, appended and flushed as each step ends. On resume the rows
 past the checkpoint (steps a killed run did not save) are dropped by rewriting the file atomically, so
-the file always describes one consistent run. Scalars go to TensorBoard under the same names; lists
-and dicts (the live-batch profile, strategy counts) stay in the JSONL.
+the file always describes one consistent run. Scalars go to TensorBoard (RUN_DIR/tensorboard/) and
+W&B (RUN_DIR/wandb/) under the same names; lists and dicts (the live-batch profile, strategy counts)
+stay in the JSONL. The W&B run id is kept in RUN_DIR/wandb_run.json so a resumed run continues the
+same W&B run; W&B ignores a step it already has, which resume would write again with equal values.
+`WANDB_MODE=offline` keeps everything local (`wandb sync` uploads it later). The optional packages
+are imported before metrics.jsonl is touched, so a missing one leaves no half-started run behind.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
-from tlt.io import atomic_write_bytes
+from tlt.io import atomic_write_bytes, atomic_write_json
 
 COLUMNS = (  # (header, key, format) of the console table
     ("step", "step", "{:>5d}"),
@@ -37,36 +42,57 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path | None, tensorboard: bool = False, keep_until: int | None = None) -> None:
+    """`wandb_project` turns W&B on (None: off); `run_config` is the run's config, shown by W&B."""
+
+    def __init__(self, run_dir: Path | None, tensorboard: bool = False, keep_until: int | None = None,
+                 wandb_project: str | None = None, run_config: dict | None = None) -> None:
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
-        self.rows: list[dict] = []
-        if self.path is not None and keep_until is not None:
-            self.rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until]
-            atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
-        elif self.path is not None:
-            atomic_write_bytes(self.path, b"")
-        self.writer = None
+        self.writer = self.wandb = None
         if tensorboard and run_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise ImportError("tensorboard=true needs the tensorboard package (pip install tensorboard)") from exc
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb_project is not None and run_dir is not None:
+            self.wandb = _wandb_run(run_dir, wandb_project, run_config or {})
+        self.rows: list[dict] = []
+        if self.path is not None and keep_until is not None:
+            self.rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until]
+            atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
+        elif self.path is not None:
+            atomic_write_bytes(self.path, b"")
 
     def write(self, row: dict) -> None:
         self.rows.append(row)
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+        scalars = {k: v for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         if self.writer is not None:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self.writer.add_scalar(key, value, row["step"])
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, row["step"])
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=row["step"])
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(run_dir: Path, project: str, config: dict):
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError("wandb=true needs the wandb package (pip install wandb)") from exc
+    id_file = run_dir / "wandb_run.json"
+    run_id = json.loads(id_file.read_text())["id"] if id_file.exists() else uuid.uuid4().hex[:8]
+    atomic_write_json(id_file, {"id": run_id, "project": project})
+    return wandb.init(project=project, id=run_id, resume="allow", name=run_dir.name, dir=str(run_dir), config=config)
 
 
 def table_header() -> str:

@@ -48,7 +48,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             trainer.load_state_dict(load_state(folder), read_tensors(folder / "policy"), tuner)
             log(f"resumed {run_dir} from {folder.name} (step {trainer.step})")
         keep_until = trainer.step
-    metrics = MetricsLog(run_dir, c.tensorboard, keep_until=keep_until)
+    metrics = MetricsLog(run_dir, c.tensorboard, keep_until=keep_until,
+                         wandb_project=c.wandb_project if c.wandb else None, run_config=to_dict(c))
     log(f"tlt train: {c.model} on {c.dataset or c.task}, {c.prompts_per_step} prompts x {c.group_size} samples, "
         f"speculative={c.speculative}, {c.steps} steps -> {run_dir}")
     try:

@@ -217,12 +217,19 @@ class GRPOTrainer:
             group["lr"] = lr
         totals = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
         first_dev = None
+        # A response with advantage 0 adds exactly nothing to the surrogate's gradient; unless KL or
+        # entropy terms touch it, it is left out of the forward but still counted in the normaliser,
+        # so the update is unchanged and the many all-equal groups cost no compute.
+        skip = c.skip_zero_advantage and loss_config.kl_coef == 0 and loss_config.entropy_coef == 0
         self.policy.train()
+        ran = 0
         for members in slices:
             batch = [e for e in episodes if e.group in members]
             n_tokens = sum(len(e.completion_ids) for e in batch)
+            active = [e for e in batch if e.advantage != 0.0] if skip else batch
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in pack(batch, c.row_tokens, c.micro_batch_tokens):
+            seen, parts_sum = 0.0, {}
+            for mb in pack(active, c.row_tokens, c.micro_batch_tokens):
                 logp, ent = self.token_logprobs(self.policy, mb, with_entropy=True)
                 lengths = torch.tensor([len(e.completion_ids) for e in mb.episodes])
                 old_lp = torch.cat([old.get(id(e), torch.tensor(e.logprobs)) for e in mb.episodes])  # [N]
@@ -236,14 +243,24 @@ class GRPOTrainer:
                     first_dev = float((logp.detach() - old_lp).exp().sub(1).abs().max())
                 loss.backward()
                 totals["loss"] += loss.item() / len(slices)
+                seen += float(weights.sum())
                 for k, v in parts.items():
-                    totals[k] += v.item() / len(slices)
+                    parts_sum[k] = parts_sum.get(k, 0.0) + v.item()
+            # Diagnostics average over the responses that were run (all of them unless skipped).
+            for k, v in parts_sum.items():
+                totals[k] += v / seen / len(slices)
+            ran += len(active)
+            for p in self.policy.parameters():
+                if p.grad is None:  # nothing was run: the same Adam step as an all-zero gradient
+                    p.grad = torch.zeros_like(p)
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
             if not torch.isfinite(norm):
                 raise TrainingError(self._diverged(f"the gradient norm is {norm.item()}"))
             totals["grad_norm"] += norm.item() / len(slices)
             self.optimizer.step()
-        return {**totals, "lr": lr, "ratio_first_max_dev": first_dev}
+        if not ran:
+            totals.update(ratio=None, clip_fraction=None, kl=None, entropy=None)
+        return {**totals, "lr": lr, "ratio_first_max_dev": first_dev, "responses_in_update": ran}
 
     def _diverged(self, what: str) -> str:
         where = f"; the last good checkpoint in {self.run_dir} is kept (resume with tlt train --resume {self.run_dir})" \
