@@ -162,7 +162,7 @@ def test_packing_equals_each_record_alone(target, records):
 
 
 def test_unroll_two_trains_on_its_own_features(target, records):
-    c = small_config(steps=40, unroll=2)
+    c = small_config(steps=120, unroll=2)
     drafter = Drafter.from_target(target, seed=0)
     batch = pack(list(fill_rows(iter([record_pairs(r, c.window) for r in records]), c.row_tokens)), c.row_tokens)
     with torch.no_grad():

@@ -1,19 +1,22 @@
-"""Drafter export to the EAGLE layout (tlt/speculative/export.py): exact names, shapes and values, or a
-clear refusal when the drafter computes something the EAGLE head cannot."""
+"""Drafter export to the EAGLE layout (tlt/speculative/export.py): every drafter tlt trains is written
+with exact names, shapes and values, and the written head, computed from its files alone as EAGLE-1
+defines it, gives the drafter's feature; a drafter of another layout is refused with a clear error."""
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import tlt
 from tlt.cli import main
 from tlt.model.checkpoint import save_pretrained
+from tlt.speculative.drafter import BUILTIN_DRAFTERS
 from tlt.speculative.export import export_eagle, find_drafter
 
-LAYER = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-         "mlp.up_proj", "mlp.down_proj"]
+ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
 
 def make_target(tiny_model, folder, arch="LlamaForCausalLM", **overrides):
@@ -24,37 +27,64 @@ def make_target(tiny_model, folder, arch="LlamaForCausalLM", **overrides):
     return model
 
 
-def save_drafter(model, folder, eagle1=True, **kwargs):
-    """Save a drafter; with `eagle1`, without the two norms EAGLE-1's head lacks (its layer's input
-    norm and its output norm), i.e. a drafter of exactly the structure the export maps."""
-    tlt.Drafter.from_target(model, seed=1, **kwargs).save(folder)
-    if eagle1:
-        state = load_file(str(folder / "drafter.safetensors"))
-        del state["layer.input_layernorm.weight"], state["norm.weight"]
-        save_file(state, str(folder / "drafter.safetensors"))
-    return load_file(str(folder / "drafter.safetensors"))
+def save_drafter(model, folder, **kwargs):
+    """Save a drafter whose every parameter is random (fc.bias and the norm too, which from_target
+    starts at 0 and 1), so that no tensor is checked only at its initial value."""
+    drafter = tlt.Drafter.from_target(model, seed=1, **kwargs)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.1)
+    drafter.save(folder)
+    return drafter.eval()
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def test_export_writes_every_eagle_tensor_with_the_drafters_values(tiny_model, tmp_path, arch):
-    from transformers import LlamaConfig
+def eagle_head(folder, embed, tokens, features):
+    """The feature f_hat of the LlamaForCausalLMEagle head in `folder`, written from its config.json
+    and model.safetensors alone: fc over cat(embed, feature), then one Llama layer whose input norm is
+    the identity (causal GQA attention with rotate-half RoPE, RMSNorm, SwiGLU), and no output norm.
+    tokens [B, T] at t+1, features [B, T, H] at t = 0..T-1."""
+    c = json.loads((folder / "config.json").read_text())
+    w = load_file(str(folder / "model.safetensors"))
+    heads, kv, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    B, T = tokens.shape
 
-    model = make_target(tiny_model, tmp_path / "target", arch)
-    state = save_drafter(model, tmp_path / "drafter")
-    out = export_eagle(tmp_path / "drafter", tmp_path / "eagle", target=tmp_path / "target")
+    def linear(name, x):
+        return x @ w[f"layers.0.{name}.weight"].T
 
+    h = torch.cat([embed[tokens], features], -1) @ w["fc.weight"].T + w["fc.bias"]  # [B, T, H]
+    q = linear("self_attn.q_proj", h).view(B, T, heads, D).transpose(1, 2)  # [B, heads, T, D]
+    k = linear("self_attn.k_proj", h).view(B, T, kv, D).transpose(1, 2)  # [B, kv, T, D]
+    v = linear("self_attn.v_proj", h).view(B, T, kv, D).transpose(1, 2)  # [B, kv, T, D]
+    inv_freq = 1.0 / c["rope_theta"] ** (torch.arange(0, D, 2).float() / D)  # [D/2]
+    angles = torch.arange(T).float()[:, None] * inv_freq  # [T, D/2]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [T, D]
+
+    def rope(x):
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)  # [B, heads, T, D]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)  # [B, heads, T, T]
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, heads * D)  # [B, T, heads * D]
+    h = h + linear("self_attn.o_proj", attended)
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + c["rms_norm_eps"]) * w["layers.0.post_attention_layernorm.weight"]
+    return h + linear("mlp.down_proj", F.silu(linear("mlp.gate_proj", n)) * linear("mlp.up_proj", n))
+
+
+def check_export(drafter, out):
+    """The export of `drafter` in `out`: its config, its tensors by EAGLE name with the drafter's values,
+    and the head they define computing the drafter's feature on random pairs."""
+    c = drafter.target.config
     config = json.loads((out / "config.json").read_text())
-    c = model.config
-    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and not config["attention_bias"] and not config["mlp_bias"]
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings"):
         assert config[name] == getattr(c, name), name
-    assert config["attention_bias"] == (arch == "Qwen2ForCausalLM")
-    hf = LlamaConfig.from_pretrained(out)
-    assert (hf.hidden_size, hf.num_hidden_layers, hf.head_dim) == (c.hidden_size, 1, c.head_dim)
 
-    H, heads, kv, D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    inter = c.intermediate_size
+    H, heads, kv, D, inter = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
     shapes = {
         "fc.weight": (H, 2 * H), "fc.bias": (H,),
         "layers.0.self_attn.q_proj.weight": (heads * D, H), "layers.0.self_attn.k_proj.weight": (kv * D, H),
@@ -62,33 +92,59 @@ def test_export_writes_every_eagle_tensor_with_the_drafters_values(tiny_model, t
         "layers.0.mlp.gate_proj.weight": (inter, H), "layers.0.mlp.up_proj.weight": (inter, H),
         "layers.0.mlp.down_proj.weight": (H, inter), "layers.0.post_attention_layernorm.weight": (H,),
     }
-    if arch == "Qwen2ForCausalLM":
-        shapes.update({f"layers.0.self_attn.{p}_proj.bias": (n,) for p, n in
-                       (("q", heads * D), ("k", kv * D), ("v", kv * D), ("o", H))})
     written = load_file(str(out / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in written.items()} == shapes
-    for name, tensor in state.items():
-        assert torch.equal(written[name.replace("layer.", "layers.0.", 1)], tensor), name
-    assert not written["fc.bias"].any()
-    if arch == "Qwen2ForCausalLM":
-        assert not written["layers.0.self_attn.o_proj.bias"].any()
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(written[name.replace("layer.", "layers.0.", 1)], tensor.cpu()), name
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, c.vocab_size, (2, 9))
+    features = torch.randn(2, 9, H)
+    with torch.no_grad():
+        f_hat, logits = drafter(tokens, features, torch.arange(9).expand(2, 9))
+        expected = eagle_head(out, drafter.target.model.embed_tokens.weight.float(), tokens, features)
+    assert (f_hat - expected).abs().max() <= 1e-5
+    torch.testing.assert_close(logits, drafter.target.lm_head(expected))
 
 
-def test_a_drafter_with_norms_eagle_lacks_is_refused(tiny_model, tmp_path):
-    """tlt's drafter normalises its layer's input and its output; EAGLE-1's head does neither, so
-    writing its weights as LlamaForCausalLMEagle would serve a different function."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_drafter_of_any_target_exports_to_the_head_it_computes(tiny_model, tmp_path, arch):
+    model = make_target(tiny_model, tmp_path / "target", arch)
+    drafter = save_drafter(model, tmp_path / "drafter")
+    out = export_eagle(tmp_path / "drafter", tmp_path / "eagle", target=tmp_path / "target")
+    check_export(drafter, out)
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig.from_pretrained(out)
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.head_dim) == (model.config.hidden_size, 1, model.config.head_dim)
+
+
+def test_the_default_drafter_exports_against_its_named_target(tmp_path):
+    model = tlt.load_model("default")
+    drafter = tlt.Drafter.load("default", model)
+    check_export(drafter, export_eagle(BUILTIN_DRAFTERS["default"], tmp_path / "eagle"))
+
+
+def test_a_drafter_of_another_layout_is_refused_naming_its_tensors(tiny_model, tmp_path):
+    """A drafter with a norm on its layer's input and an output norm, and an fc without bias, computes
+    something EAGLE-1's head does not; writing its other tensors would silently serve another function."""
     model = make_target(tiny_model, tmp_path / "target")
-    save_drafter(model, tmp_path / "drafter", eagle1=False)
-    with pytest.raises(tlt.ConfigError, match="layer.input_layernorm.weight.*norm.weight"):
+    save_drafter(model, tmp_path / "drafter")
+    weights = tmp_path / "drafter" / "drafter.safetensors"
+    state = load_file(str(weights))
+    H = model.config.hidden_size
+    del state["fc.bias"]
+    state.update({"layer.input_layernorm.weight": torch.ones(H), "norm.weight": torch.ones(H)})
+    save_file(state, str(weights))
+    pattern = r"missing tensors \['fc.bias'\], unexpected tensors \['layer.input_layernorm.weight', 'norm.weight'\]"
+    with pytest.raises(tlt.CheckpointError, match=pattern):
         export_eagle(tmp_path / "drafter", tmp_path / "eagle", target=tmp_path / "target")
     assert not (tmp_path / "eagle").exists()
+    with pytest.raises(tlt.CheckpointError, match=pattern):
+        tlt.Drafter.load(tmp_path / "drafter", model)
 
 
-def test_qwen3_qk_norm_and_eagle3_drafters_are_refused(tiny_model, tmp_path):
-    qwen3 = make_target(tiny_model, tmp_path / "qwen3", "Qwen3ForCausalLM")
-    save_drafter(qwen3, tmp_path / "d3")
-    with pytest.raises(tlt.ConfigError, match="q_norm.*Qwen3"):
-        export_eagle(tmp_path / "d3", tmp_path / "out", target=tmp_path / "qwen3")
+def test_an_eagle3_drafter_is_refused(tiny_model, tmp_path):
     llama = make_target(tiny_model, tmp_path / "llama")
     tlt.Drafter.from_target(llama, feature_layers=(0, 1)).save(tmp_path / "eagle3")
     with pytest.raises(tlt.ConfigError, match="EAGLE-3"):
@@ -97,15 +153,15 @@ def test_qwen3_qk_norm_and_eagle3_drafters_are_refused(tiny_model, tmp_path):
 
 def test_a_run_directory_exports_its_newest_drafter_against_its_policy(tiny_model, tmp_path):
     run = tmp_path / "run"
-    states = {}
+    drafters = {}
     for step in (2, 10):
         checkpoint = run / "checkpoints" / f"step_{step:08d}"
-        model = make_target(tiny_model, checkpoint / "policy")
-        states[step] = save_drafter(model, checkpoint / "drafter")
+        model = make_target(tiny_model, checkpoint / "policy", seed=step)
+        drafters[step] = save_drafter(model, checkpoint / "drafter")
     assert find_drafter(run) == run / "checkpoints" / "step_00000010" / "drafter"
     assert main(["export-drafter", str(run), str(tmp_path / "eagle")]) == 0
     written = load_file(str(tmp_path / "eagle" / "model.safetensors"))
-    assert torch.equal(written["fc.weight"], states[10]["fc.weight"])
+    assert torch.equal(written["fc.weight"], drafters[10].fc.weight.detach())
     (run / "drafter").mkdir()
     assert find_drafter(run) == run / "drafter"
 
@@ -126,6 +182,9 @@ def test_bad_inputs_give_clear_errors(tiny_model, tmp_path, capsys):
     make_target(tiny_model, tmp_path / "other", hidden_size=24, head_dim=6)
     with pytest.raises(tlt.CheckpointError, match="hidden_size"):
         export_eagle(tmp_path / "drafter", tmp_path / "out", target=tmp_path / "other")
+    make_target(tiny_model, tmp_path / "wider", intermediate_size=64)
+    with pytest.raises(tlt.CheckpointError, match=r"tensor 'layer.mlp.\w+_proj.weight' has shape"):
+        export_eagle(tmp_path / "drafter", tmp_path / "out", target=tmp_path / "wider")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("keep me")
     with pytest.raises(tlt.CheckpointError, match="already exists"):

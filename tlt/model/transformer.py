@@ -95,9 +95,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    """`input_norm=False` makes input_layernorm the identity (no weight), as in the EAGLE-1 drafter's
+    layer, whose attention reads fc's output as it is."""
+
+    def __init__(self, c: ModelConfig, input_norm: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if input_norm else nn.Identity()
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)

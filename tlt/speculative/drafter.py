@@ -1,15 +1,22 @@
-"""The EAGLE-style drafter: one decoder layer on top of the target's own features.
+"""The EAGLE-1 drafter: one decoder layer on top of the target's own features.
 
 At position t it reads the pair (f[t], x[t+1]), the target's feature at t and the token after it:
 
-    h = fc(concat(embed(x[t+1]), f[t]))      2H -> H
-    f_hat[t+1] = norm(decoder_layer(h))      one Llama decoder layer with its own KV cache
+    h = fc(concat(embed(x[t+1]), f[t]))      2H -> H, with bias
+    f_hat[t+1] = decoder_layer(h)            one Llama decoder layer with its own KV cache
     q(x[t+2]) = softmax(lm_head(f_hat[t+1]))
 
 and f_hat[t+1] stands in for f[t+1] when drafting further ahead. The embedding and LM head are the
-target's, referenced (never copied) and frozen; only fc, the layer and the output norm train. f is the
-target's last-layer feature after its final norm, so lm_head(f) are the target's logits. With
-`feature_layers` (EAGLE-3 style) the target feature is instead a learned fusion of the outputs of
+target's, referenced (never copied) and frozen; only fc and the layer train. f is the target's
+last-layer feature after its final norm, so lm_head(f) are the target's logits and f_hat, which goes to
+the LM head with no norm of its own, regresses exactly that feature.
+
+The layer is EAGLE-1's whatever the target: a Llama layer (no q/k/v bias, no per-head q/k norm, no MLP
+bias) of the target's width, heads and RoPE, whose input norm is the identity (attention reads fc's
+output as it is); its post-attention norm stays. So the drafter is, tensor for tensor, the
+`LlamaForCausalLMEagle` head SGLang and vLLM serve (speculative/export.py).
+
+With `feature_layers` (EAGLE-3 style) the target feature is instead a learned fusion of the outputs of
 several target layers (low, mid, high): fuse(concat(...)) kH -> H; the drafter's own outputs feed
 deeper draft steps unchanged.
 
@@ -28,9 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.errors import CheckpointError
+from tlt.model.config import ModelConfig
 from tlt.model.kv_cache import KVCache
 from tlt.model.rope import rope_tables
-from tlt.model.transformer import DecoderLayer, RMSNorm, Transformer, additive, cached_mask, training_mask
+from tlt.model.transformer import DecoderLayer, Transformer, additive, cached_mask, training_mask
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,24 @@ class DrafterConfig:
                 raise CheckpointError(f"{where}: field {name!r} is {mine!r} but the target model has {theirs!r}")
 
 
+def layer_config(target: ModelConfig) -> ModelConfig:
+    """The drafter layer's config: the target's shape and RoPE as a plain Llama layer."""
+    return target.replace(architecture="LlamaForCausalLM", num_hidden_layers=1, qkv_bias=False, o_bias=False,
+                          mlp_bias=False, qk_norm=False)
+
+
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse `state` unless it has exactly the names and shapes of `expected`, naming every difference."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: not a drafter of tlt's layout (fc with bias; a Llama layer without input "
+                              f"norm or q/k norm; no output norm): missing tensors {missing}, "
+                              f"unexpected tensors {unexpected}; retrain it with tlt train-drafter")
+    for k, v in state.items():
+        if v.shape != expected[k].shape:
+            raise CheckpointError(f"{where}: tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+
+
 class Drafter(nn.Module):
     def __init__(self, target: Transformer, config: DrafterConfig | None = None) -> None:
         super().__init__()
@@ -65,9 +91,8 @@ class Drafter(nn.Module):
         H = target.config.hidden_size
         # The target is held outside the module tree: its weights are neither trained nor saved here.
         self.__dict__["target"] = target
-        self.fc = nn.Linear(2 * H, H, bias=False)
-        self.layer = DecoderLayer(target.config)
-        self.norm = RMSNorm(H, target.config.rms_norm_eps)
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.layer = DecoderLayer(layer_config(target.config), input_norm=False)
         if self.config.feature_layers:
             self.fuse = nn.Linear(len(self.config.feature_layers) * H, H, bias=False)
         self.to(device=target.device, dtype=target.dtype)
@@ -127,7 +152,7 @@ class Drafter(nn.Module):
             tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
             mask = additive(cached_mask(cache.lengths, tree, valid, cache.max_length + T), x.dtype)
         cos, sin = rope_tables(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
-        f_hat = self.norm(self.layer(x, cos, sin, mask, cache, 0))  # [B, T, H]
+        f_hat = self.layer(x, cos, sin, mask, cache, 0)  # [B, T, H], straight to the LM head
         if cache is not None:
             cache.advance(valid.long().sum(1) if attention_mask is not None else T)
         # The LM head is the target's and frozen: no gradient may reach it from drafter training.
@@ -173,12 +198,7 @@ class Drafter(nn.Module):
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{weights}: cannot read safetensors weights ({exc})") from None
         drafter = cls(target, config)
-        expected = drafter.state_dict()
-        if set(state) != set(expected):
-            raise CheckpointError(f"{weights}: tensor names {sorted(set(state) ^ set(expected))[:4]} do not match a drafter")
-        for k, v in state.items():
-            if v.shape != expected[k].shape:
-                raise CheckpointError(f"{weights}: tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+        check_tensors(state, drafter.state_dict(), str(weights))
         drafter.load_state_dict({k: v.to(target.dtype) for k, v in state.items()})
         return drafter.eval()
 

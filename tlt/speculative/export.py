@@ -1,36 +1,28 @@
-"""`tlt export-drafter`: a tlt drafter in the EAGLE layout SGLang and vLLM load as a draft head.
+"""`tlt export-drafter`: a tlt drafter as the EAGLE-1/2 draft head SGLang and vLLM load.
 
-Written layout (an EAGLE-1/2 Llama draft head):
+Written layout (`LlamaForCausalLMEagle`):
     OUT/config.json        a Llama config of the target's shape (hidden_size, heads, kv heads, head_dim,
                            intermediate_size, rms_norm_eps, rope_theta/rope_scaling, vocab_size,
-                           max_position_embeddings, ...) with num_hidden_layers = 1 and
-                           architectures ["LlamaForCausalLMEagle"]
-    OUT/model.safetensors  fc.weight [H, 2H], fc.bias [H],
-                           layers.0.self_attn.{q,k,v,o}_proj.weight (and .bias with attention_bias),
+                           max_position_embeddings, ...) with num_hidden_layers = 1, attention_bias and
+                           mlp_bias false, and architectures ["LlamaForCausalLMEagle"]
+    OUT/model.safetensors  fc.weight [H, 2H], fc.bias [H], layers.0.self_attn.{q,k,v,o}_proj.weight,
                            layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}_proj.weight
 No embedding and no LM head: the serving engine gives the draft head the target's, as tlt does.
 SGLang loads the folder by that class name; vLLM's method="eagle" derives its class by prefixing
 "Eagle" to the config's architectures, so it wants ["LlamaForCausalLM"] there instead.
 
-What that head computes (SGLang and vLLM `llama_eagle.py`, EAGLE's `cnets1.py`):
-    h = fc(cat(embed(x[t+1]), f[t]))    the token's embedding first, then the target feature
-    f_hat = layers.0(h)                 a Llama decoder layer whose input_layernorm is the identity
-    logits = lm_head(f_hat)             no output norm; f_hat is also the next step's feature
-tlt's drafter (drafter.py) concatenates in the same order, so the map is by name: `fc.*` -> `fc.*`,
-`layer.<name>` -> `layers.0.<name>`. Zeros complete the Llama layout without changing the function:
-`fc.bias` (SGLang's fc has a bias, tlt's has none) and, for a Qwen2 target (q/k/v bias, no o bias),
-`o_proj.bias`, since Llama's `attention_bias` covers all four projections.
+That head (SGLang and vLLM `llama_eagle.py`, EAGLE's `cnets1.py`) computes
+    f_hat = layers.0(fc(cat(embed(x[t+1]), f[t])))    input_layernorm the identity, no output norm
+    logits = lm_head(f_hat)                           f_hat is also the next step's feature
+which is tlt's drafter (drafter.py) exactly, so the export is a renaming: `fc.*` -> `fc.*`,
+`layer.<name>` -> `layers.0.<name>`, checked first against the tensors a drafter for the target has.
+A drafter of another layout is refused with the tensors that differ, never written with some dropped.
 
-A tensor with no counterpart is refused, never dropped, because the serving engine would then run a
-different function and acceptance would silently collapse: an input norm on the drafter's layer
-(`layer.input_layernorm`), an output norm (`norm`), per-head q/k norms (Qwen3 targets). tlt's drafter
-as drafter.py builds it has the first two, so its checkpoints are refused until it is trained without
-them. The EAGLE-3 variant (`feature_layers`) is refused too: `LlamaForCausalLMEagle3` fuses the low,
-mid and high target layers with `fc` 3H -> H, feeds `midlayer` q/k/v a 2H input
-cat(input_layernorm(embed), hidden_norm(h)) with h alone as the residual, takes logits from
+The EAGLE-3 variant (`feature_layers`) is refused: `LlamaForCausalLMEagle3` feeds `midlayer` q/k/v a
+2H input cat(input_layernorm(embed), hidden_norm(h)) with h alone as the residual, takes logits from
 norm(output) with its own LM head over a draft vocabulary (d2t) and feeds the un-normalised output
-back; tlt fuses kH -> H, then applies fc 2H -> H and a standard H-input layer. No assignment of
-weights makes the two equal.
+back; tlt fuses kH -> H, then applies fc 2H -> H and the same H-input layer as EAGLE-1. No assignment
+of weights makes the two equal.
 
 Input: a drafter folder as `Drafter.save` writes it (drafter_config.json, drafter.safetensors), or a
 run directory holding `drafter/` or `checkpoints/step_*/drafter/` (the highest step). The target's
@@ -50,20 +42,9 @@ import torch
 
 from tlt.errors import CheckpointError, ConfigError
 from tlt.model.config import ModelConfig
-from tlt.speculative.drafter import DrafterConfig
+from tlt.speculative.drafter import Drafter, DrafterConfig, check_tensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
-_LAYER_TENSORS = (
-    {f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")}
-    | {f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down") for kind in ("weight", "bias")}
-    | {"post_attention_layernorm.weight"}
-)
-_NO_COUNTERPART = {
-    "layer.input_layernorm.weight": "EAGLE-1's decoder layer has no input norm (its input_layernorm is the identity)",
-    "norm.weight": "EAGLE-1 has no output norm: the layer's output goes to the LM head and back unnormalised",
-    "layer.self_attn.q_norm.weight": "Llama attention has no per-head q/k norm (a Qwen3 target)",
-    "layer.self_attn.k_norm.weight": "Llama attention has no per-head q/k norm (a Qwen3 target)",
-}
 
 
 def find_drafter(path: str | os.PathLike) -> Path:
@@ -95,8 +76,13 @@ def export_eagle(source: str | os.PathLike, out_dir: str | os.PathLike,
         raise CheckpointError(f"{out}: already exists and is not an empty folder; choose a new output folder")
     folder = find_drafter(source)
     config, state = _read_drafter(folder)
-    tensors = eagle_tensors(config, state, str(folder / "drafter.safetensors"))
+    weights = str(folder / "drafter.safetensors")
+    if config.feature_layers:
+        raise ConfigError(f"{weights}: an EAGLE-3 style drafter (feature_layers {list(config.feature_layers)}) does not "
+                          "map onto LlamaForCausalLMEagle3: its fusion and decoder layer differ (see "
+                          "tlt/speculative/export.py)")
     model = _target_config(folder, config, target)
+    tensors = eagle_tensors(model, config, state, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
@@ -112,30 +98,18 @@ def export_eagle(source: str | os.PathLike, out_dir: str | os.PathLike,
     return out
 
 
-def eagle_tensors(config: DrafterConfig, state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    """tlt drafter tensors under their EAGLE-1 names, completed with the zero biases the Llama layout
-    needs; a ConfigError names every tensor that has no exact counterpart."""
-    if config.feature_layers:
-        raise ConfigError(f"{where}: an EAGLE-3 style drafter (feature_layers {list(config.feature_layers)}) does not "
-                          "map onto LlamaForCausalLMEagle3: its fusion and decoder layer differ (see "
-                          "tlt/speculative/export.py)")
-    refused = {name: _NO_COUNTERPART.get(name, "not a tensor of tlt's drafter") for name in state
-               if _eagle_name(name) is None}
-    if refused:
-        reasons = "; ".join(f"{name}: {why}" for name, why in sorted(refused.items()))
-        raise ConfigError(f"{where}: cannot be written as {ARCHITECTURE} without changing what it computes ({reasons})")
-    out = {_eagle_name(name): t.contiguous() for name, t in state.items()}
-    fc = out["fc.weight"]
-    out.setdefault("fc.bias", fc.new_zeros(fc.shape[0]))
-    if any(f"layers.0.self_attn.{p}_proj.bias" in out for p in "qkvo"):
-        for p in "qkvo":
-            weight = out[f"layers.0.self_attn.{p}_proj.weight"]
-            out.setdefault(f"layers.0.self_attn.{p}_proj.bias", weight.new_zeros(weight.shape[0]))
-    return out
+def eagle_tensors(target: ModelConfig, config: DrafterConfig, state: dict[str, torch.Tensor],
+                  where: str) -> dict[str, torch.Tensor]:
+    """tlt drafter tensors under their EAGLE-1 names, once checked to be those of a drafter for `target`."""
+    from tlt.model.transformer import Transformer
+
+    with torch.device("meta"):  # the drafter's tensor names and shapes, without allocating the target
+        check_tensors(state, Drafter(Transformer(target), config).state_dict(), where)
+    return {name.replace("layer.", "layers.0.", 1): t.contiguous() for name, t in state.items()}
 
 
 def eagle_config(target: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict:
-    """The draft head's config.json: the target's Llama fields, one layer. rope is written in both the
+    """The draft head's config.json: the target's shape as one Llama layer. rope is written in both the
     transformers 5 layout (rope_parameters) and the older one (rope_theta, rope_scaling) that serving
     engines pinned to transformers 4 read."""
     c = target
@@ -157,21 +131,13 @@ def eagle_config(target: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict:
         "rope_parameters": rope,
         "vocab_size": c.vocab_size,
         "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": "layers.0.self_attn.q_proj.bias" in tensors,
-        "mlp_bias": "layers.0.mlp.gate_proj.bias" in tensors,
+        "attention_bias": False,
+        "mlp_bias": False,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": c.eos_token_id,
         "pad_token_id": c.pad_token_id,
         "torch_dtype": str(tensors["fc.weight"].dtype).removeprefix("torch."),
     }
-
-
-def _eagle_name(name: str) -> str | None:
-    if name in ("fc.weight", "fc.bias"):
-        return name
-    if name.startswith("layer.") and name[len("layer."):] in _LAYER_TENSORS:
-        return "layers.0." + name[len("layer."):]
-    return None
 
 
 def _read_drafter(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:

@@ -10,8 +10,10 @@ t by the previous round's prediction of it, f_hat_{r-1}[t-1], keeping the true f
 of each record, with the same targets; the loss is the mean over rounds and gradients flow through
 the rounds. This approximates deep drafting, where only the newest features are the drafter's own.
 
-Only the drafter's fc, decoder layer, norm (and fusion) train; the target's embedding and LM head
-are used under no_grad and never reach the optimizer.
+The feature target f is the target's last hidden state after its final norm, the input of its LM
+head, which is also what f_hat feeds (the drafter has no output norm). Only the drafter's fc, decoder
+layer (and fusion) train; the target's embedding and LM head are used under no_grad and never reach
+the optimizer.
 """
 
 from __future__ import annotations
