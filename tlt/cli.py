@@ -18,9 +18,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tlt.demo", "run the embedded default end to end"),
     "sft": ("tlt.sft", "train the default model by supervised fine-tuning on the built-in task"),
     "eval": ("tlt.evaluate", "accuracy of a model on fresh problems of the built-in task"),
-    "bench": ("tlt.bench", "benchmarks: forward, rollout, speculative"),
+    "train": ("tlt.rl.run", "GRPO training with adaptive speculative rollout (the embedded default without arguments)"),
+    "bench": ("tlt.bench", "benchmarks: forward, rollout, speculative, e2e"),
     "train-drafter": ("tlt.speculative.train", "train an EAGLE drafter offline on the target's own generations"),
     "export-drafter": ("tlt.speculative.export", "write a drafter as an EAGLE draft head for SGLang and vLLM"),
+    "report": ("tlt.report", "figures and a markdown summary of a GRPO run directory"),
 }
 
 

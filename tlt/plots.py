@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 from pathlib import Path
 
+from tlt.io import atomic_write_bytes
 
-def _figure():
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, so plotting never needs a display."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -16,25 +19,22 @@ def _figure():
     return plt
 
 
-def _save(fig, path: str | os.PathLike) -> Path:
-    """Atomic: render to a temporary file beside the target, then rename over it."""
+def save(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Render `fig` to PNG bytes in memory and write them atomically: a reader never sees half a PNG."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
+    buffer = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
     finally:
-        Path(tmp).unlink(missing_ok=True)
-        fig.clf()
+        pyplot().close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
     return path
 
 
 def length_histogram(lengths: list[int], path, title: str = "response lengths") -> Path:
     import numpy as np
 
-    plt = _figure()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     a = np.asarray(lengths)
     ax.hist(a, bins=min(60, max(10, len(set(a.tolist())))), color="#3b6ea5")
@@ -46,13 +46,12 @@ def length_histogram(lengths: list[int], path, title: str = "response lengths") 
     ax.set_ylabel("responses (log)")
     ax.set_title(title)
     ax.legend()
-    plt.close(fig)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def live_batch(series: dict[str, tuple[list[float], list[int]]], path, title: str = "live batch size") -> Path:
     """series: label -> (time of each step in seconds, live batch size at that step)."""
-    plt = _figure()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for label, (times, sizes) in series.items():
         ax.step(times, sizes, where="post", label=label)
@@ -60,13 +59,12 @@ def live_batch(series: dict[str, tuple[list[float], list[int]]], path, title: st
     ax.set_ylabel("live sequences")
     ax.set_title(title)
     ax.legend()
-    plt.close(fig)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def strategy_by_batch(batch_sizes: list[int], strategies: list[str], path, title: str = "adaptive choice") -> Path:
     """Which strategy the adaptive engine ran at each live batch size (one dot per decode step)."""
-    plt = _figure()
+    plt = pyplot()
     names = sorted(set(strategies), key=lambda n: (n != "off", n))
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for i, name in enumerate(names):
@@ -76,5 +74,4 @@ def strategy_by_batch(batch_sizes: list[int], strategies: list[str], path, title
     ax.set_xscale("log", base=2)
     ax.set_xlabel("live batch size")
     ax.set_title(title)
-    plt.close(fig)
-    return _save(fig, path)
+    return save(fig, path)

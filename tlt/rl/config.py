@@ -46,7 +46,7 @@ class TrainConfig:
     skip_zero_advantage: bool = True  # exact: such responses add nothing to the gradient (no KL/entropy)
     old_logprobs: str = "rollout"  # "rollout": the engine's; "recompute": a trainer forward before the update
     # --- optimisation
-    lr: float = 2e-4
+    lr: float = 1e-4
     lr_schedule: str = "constant"  # constant or cosine (to 10% of lr at `steps`)
     warmup_steps: int = 0
     weight_decay: float = 0.0

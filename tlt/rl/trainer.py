@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tlt.data import Example
-from tlt.errors import CheckpointError, TrainingError
+from tlt.errors import CheckpointError, ConfigError, TrainingError
 from tlt.rl.config import TrainConfig
 from tlt.rl.episode import Episode, MicroBatch, pack
 from tlt.rl.grpo import entropy, group_advantages, policy_loss, token_weights, zero_variance_groups
@@ -137,6 +137,10 @@ class GRPOTrainer:
 
         c = self.config
         prompts = [self.encode(ex.prompt) for ex in examples]
+        for ex, ids in zip(examples, prompts):
+            if not ids:  # e.g. a tokenizer whose vocabulary does not fit the class transformers loaded it as
+                raise ConfigError(f"{ex.source}: the prompt encodes to no tokens with the tokenizer of {c.model} "
+                                  f"({type(self.tokenizer).__name__}); check that the tokenizer matches the model")
         params = [SamplingParams(n=samples or c.group_size, temperature=0.0 if greedy else c.temperature,
                                  top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_response_tokens,
                                  seed=stream_seed(salt, c.seed, step, j)) for j in range(len(examples))]

@@ -1,0 +1,86 @@
+"""Bring your own model, data and reward: a Hugging Face Qwen2 folder saved by transformers (with a
+byte-level chat tokenizer), a verl-layout Parquet file scored by the built-in math reward, and a
+TRL-layout JSONL file scored by a user function given by import path in a worker process, with
+speculation off and on."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from chat_tokenizer import BYTE_VOCAB, build_byte_tokenizer, build_chat_tokenizer
+from conftest import tiny_hf_model
+from tlt.errors import ConfigError
+from tlt.rl import TrainConfig
+from tlt.rl.run import train
+
+SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("byo-model")
+    tiny_hf_model("qwen2", vocab_size=BYTE_VOCAB, **SIZES).save_pretrained(folder)
+    build_byte_tokenizer(folder)
+    return folder
+
+
+def tiny(model_dir, dataset, **overrides) -> TrainConfig:
+    fields = dict(model=str(model_dir), dataset=str(dataset), speculative="off", drafter=None, steps=2,
+                  prompts_per_step=2, group_size=4, max_response_tokens=8, eval_every=2, eval_problems=2,
+                  eval_samples=2, save_every=0, lr=1e-2)
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def run(config, run_dir) -> list[dict]:
+    train(config, run_dir, log=lambda *_: None)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_verl_parquet_with_chat_prompts_and_the_math_reward(model_dir, tmp_path):
+    rows = [{"data_source": "toy", "ability": "math",
+             "prompt": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"{i}+{i}?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
+            for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    metrics = run(tiny(model_dir, tmp_path / "train.parquet", reward="math"), tmp_path / "run")
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    assert "eval_accuracy" in metrics[0] and "eval_accuracy" in metrics[-1]  # eval on the dataset's first rows
+    assert all(r["reward_errors"] == 0 for r in metrics[1:])  # every ground truth was readable
+
+
+def write_trl_jsonl(path) -> None:
+    """String prompts and an extra column `scale` that one row lacks (that row scores 0)."""
+    lines = [{"prompt": f"Count to {i}:", "scale": 10.0} for i in range(5)] + [{"prompt": "Say nothing."}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.mark.parametrize("speculation", [dict(speculative="off"), dict(speculative="on", strategy="ngram-d4")],
+                         ids=["off", "ngram-d4"])
+def test_trl_jsonl_with_a_user_reward_in_a_worker_process(model_dir, tmp_path, speculation):
+    write_trl_jsonl(tmp_path / "train.jsonl")
+    config = tiny(model_dir, tmp_path / "train.jsonl", reward="reward_fixtures:scaled_words", reward_workers=1,
+                  **speculation)
+    metrics = run(config, tmp_path / "run")
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    for row in metrics[1:]:
+        assert row["reward_errors"] == 0
+        # A reward that never saw `scale` scores 0. With it, a completion of any visible text scores >= 10.
+        assert row["reward"] > 1.0
+        assert row["loss"] != 0.0
+    if speculation["speculative"] == "on":
+        assert all(r["acceptance_length"] is not None and set(r["strategies"]) == {"ngram-d4"} for r in metrics[1:])
+
+
+def test_a_tokenizer_that_reads_nothing_of_a_prompt_is_named(tmp_path):
+    """Regression: transformers 5 loads a word-level tokenizer saved beside a Qwen2 config.json as a
+    Qwen2Tokenizer, which encodes "w1 w2" to no tokens; the run failed deep in the engine with
+    "prompt 0 is empty", naming neither the row nor the tokenizer."""
+    tiny_hf_model("qwen2", vocab_size=64, **SIZES).save_pretrained(tmp_path / "model")
+    build_chat_tokenizer(tmp_path / "model", 64)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
+    config = tiny(tmp_path / "model", tmp_path / "train.jsonl", reward="reward_fixtures:digit_fraction")
+    with pytest.raises(ConfigError, match=r"train.jsonl:1: the prompt encodes to no tokens .*Qwen2Tokenizer"):
+        train(config, tmp_path / "run", log=lambda *_: None)

@@ -1,0 +1,140 @@
+"""`tlt report` on real (tiny) GRPO runs, and the metrics log's TensorBoard and W&B (offline) outputs."""
+
+import json
+import struct
+import sys
+
+import pytest
+import torch
+
+from tlt.cli import main
+from tlt.errors import ConfigError
+from tlt.report import write_report
+from tlt.rl import TrainConfig
+from tlt.rl.metrics import MetricsLog
+from tlt.rl.run import train
+
+FIGURES = ("learning.png", "lengths.png", "step_time.png", "acceptance.png", "strategies.png")
+
+
+def wandb_offline(monkeypatch, root):
+    """W&B writes only under `root`: no login, no network, nothing in the home directory."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(root / name.lower()))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two 2-step runs of one tiny model with eval every step: speculation on (ngram-d4) and off; the
+    off run also logs to TensorBoard and to W&B offline through its TrainConfig."""
+    from tlt.model import ModelConfig, Transformer
+    from tlt.tasks import CharTokenizer
+
+    root = tmp_path_factory.mktemp("report")
+    torch.manual_seed(0)
+    Transformer(ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(root / "model")
+    CharTokenizer().save_pretrained(root / "model")
+    common = dict(model=str(root / "model"), drafter=None, reward="reward_fixtures:digit_fraction", train_problems=32,
+                  prompts_per_step=4, group_size=4, max_response_tokens=16, eval_problems=4, eval_samples=2,
+                  eval_every=1, save_every=0, lr=1e-2, steps=2)
+    train(TrainConfig(speculative="on", strategy="ngram-d4", **common), root / "on", log=lambda *_: None)
+    with pytest.MonkeyPatch.context() as mp:
+        wandb_offline(mp, root)
+        train(TrainConfig(speculative="off", tensorboard=True, wandb=True, **common), root / "off", log=lambda *_: None)
+    return root
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    assert data[-8:-4] == b"IEND", f"{path} is truncated"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_draws_every_figure_and_links_them(runs, capsys):
+    assert main(["report", str(runs / "on")]) == 0
+    out = runs / "on" / "report"
+    text = (out / "report.md").read_text()
+    for name in FIGURES:
+        width, height = png_size(out / name)
+        assert 600 <= width <= 1600 and 350 <= height <= 900, (name, width, height)
+        assert (out / name).stat().st_size > 10_000
+        assert f"]({name})" in text
+    assert "ngram-d4" in text and "Mean acceptance length" in text
+    assert "| eval_accuracy |" in text and "| rollout |" in text and "Over all 32 responses" in text
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_a_run_without_speculation_skips_the_acceptance_figure(runs, tmp_path):
+    assert main(["report", str(runs / "off"), "--out", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert not (tmp_path / "r" / "acceptance.png").exists() and not (tmp_path / "r" / "strategies.png").exists()
+    assert "did not speculate (speculative=off)" in text and "acceptance.png" not in text
+    for name in ("learning.png", "lengths.png", "step_time.png"):
+        png_size(tmp_path / "r" / name)
+
+
+def test_compare_draws_both_runs_on_one_plot(runs, tmp_path):
+    assert main(["report", str(runs / "on"), "--compare", str(runs / "off"), "--labels", "spec-on", "spec-off",
+                 "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    for name in ("compare_learning.png", "compare_step_time.png"):
+        png_size(tmp_path / name)
+        assert f"]({name})" in text
+    assert "## Comparison" in text and "| | spec-on | spec-off |" in text and "Mean step time spec-on / spec-off" in text
+
+
+def test_missing_metrics_is_a_clear_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), "--labels", "a", "b"]) == 2
+    assert "--compare" in capsys.readouterr().err
+
+
+def test_a_torn_last_line_of_a_live_run_is_left_out(runs, tmp_path):
+    (tmp_path / "live").mkdir()
+    good = (runs / "on" / "metrics.jsonl").read_text()
+    (tmp_path / "live" / "metrics.jsonl").write_text(good + '{"step": 3, "rew')
+    text = write_report(tmp_path / "live").read_text()
+    assert "Steps done: 2." in text and "(config.json missing)" in text
+    (tmp_path / "live" / "metrics.jsonl").write_text('{"step": 3, "rew\n' + good)
+    with pytest.raises(ConfigError, match="line 1: not valid JSON"):
+        write_report(tmp_path / "live")
+
+
+def test_tensorboard_and_wandb_offline_receive_the_scalars(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = runs / "off"
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward")] == [1, 2]
+    assert [e.step for e in events.Scalars("eval_accuracy")] == [0, 1, 2]
+    assert "response_lengths" not in events.Tags()["scalars"]  # lists stay in the JSONL
+    run_id = json.loads((run_dir / "wandb_run.json").read_text())["id"]
+    assert list((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    wandb_offline(monkeypatch, tmp_path)
+    first = MetricsLog(tmp_path, wandb_project="tlt", run_config={"steps": 2})
+    first.write({"step": 1, "reward": 0.5})
+    first.close()
+    again = MetricsLog(tmp_path, keep_until=1, wandb_project="tlt")
+    again.write({"step": 2, "reward": 0.7})
+    again.close()
+    run_id = json.loads((tmp_path / "wandb_run.json").read_text())["id"]
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1
+    assert [r["step"] for r in again.rows] == [1, 2]
+
+
+def test_wandb_missing_names_the_package_and_starts_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    with pytest.raises(ImportError, match="wandb=true needs the wandb package"):
+        MetricsLog(tmp_path, wandb_project="tlt")
+    assert not (tmp_path / "metrics.jsonl").exists()
