@@ -10,11 +10,20 @@ from pathlib import Path
 from typing import Any
 
 
+def umask() -> int:
+    """The process's file-creation mask (os.umask can only be read by setting it, so it is set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        # mkstemp makes the file private (0600); give it the permissions an ordinary open() would.
+        os.chmod(tmp, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tlt.errors import CheckpointError
-from tlt.io import atomic_write_bytes, atomic_write_json
+from tlt.io import umask, atomic_write_bytes, atomic_write_json
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -41,6 +42,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: dict, tu
     final = checkpoint_dir(run_dir, step)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
     try:
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the checkpoint is an ordinary folder
         policy.save_pretrained(tmp / "policy")
         tokenizer.save_pretrained(tmp / "policy")
         buffer = io.BytesIO()
