@@ -1,10 +1,12 @@
 """The key/value cache of a batch of sequences.
 
-Layout: for each layer, one key and one value tensor of shape [B, H_kv, C, D]. Row b holds its
-`lengths[b]` cached tokens left-aligned in slots 0 .. lengths[b]-1, in sequence order; slots past a row's
-length hold stale but finite values and are never attended. Rows may have different lengths. C, the capacity, is a multiple
-of `block` and follows the live tokens: it grows when a write would overflow and shrinks when the
-longest rows leave, so memory is proportional to max(lengths) x live rows.
+Layout: one tensor `store` of shape [2L, B, H_kv, C, D] holding every layer's keys (entries 0 .. L-1) and
+values (entries L .. 2L-1); `keys[l]` and `values[l]` are views of it. Row b holds its `lengths[b]`
+cached tokens left-aligned in slots 0 .. lengths[b]-1, in sequence order; slots past a row's length
+hold stale but finite values and are never attended. Rows may have different lengths. C, the capacity,
+is a multiple of `block` and follows the live tokens: it grows when a write would overflow and shrinks
+when the longest rows leave, so memory is proportional to max(lengths) x live rows. One tensor for all
+layers makes the edits below one indexing op each instead of one per layer and per key/value.
 
 A forward over T new tokens writes them at slots lengths[b] .. lengths[b]+T-1 (`write`) and then
 advances the lengths (`advance`). Everything a decoding loop needs afterwards is a method here, so no
@@ -15,6 +17,8 @@ index arithmetic leaks into the engine:
   - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch);
   - `fork(counts)`: repeat each row counts[b] times (n samples of one prompt share one prefill);
   - `concat(caches)`: join batches (admitting freshly prefilled requests).
+The shortest and longest row lengths are kept as Python ints next to `lengths`, so writes and masks
+never read them back from the device.
 """
 
 from __future__ import annotations
@@ -37,8 +41,7 @@ class KVCache:
         self.num_layers, self.num_kv_heads, self.head_dim, self.block = num_layers, num_kv_heads, head_dim, block
         self.dtype, self.device = dtype, torch.device(device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        self.keys = [self._empty(batch_size, 0) for _ in range(num_layers)]
-        self.values = [self._empty(batch_size, 0) for _ in range(num_layers)]
+        self.store = self._empty(batch_size, 0)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int, **kwargs) -> "KVCache":
@@ -51,13 +54,25 @@ class KVCache:
     def _empty(self, batch: int, capacity: int) -> torch.Tensor:
         # Zeros, not uninitialised memory: attention multiplies masked slots' values by a weight of 0,
         # and 0 x NaN garbage would still poison the output.
-        return torch.zeros(batch, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(2 * self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim,
+                           dtype=self.dtype, device=self.device)
 
-    def _like(self, lengths: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "KVCache":
+    def _like(self, lengths: torch.Tensor, store: torch.Tensor) -> "KVCache":
         out = object.__new__(KVCache)
         out.__dict__.update(self.__dict__)
-        out.lengths, out.keys, out.values = lengths, keys, values  # the setter refreshes the bounds
+        out.lengths, out.store = lengths, store  # the setters refresh the bounds and the views
         return out
+
+    # --- layout ------------------------------------------------------------------------------------
+    @property
+    def store(self) -> torch.Tensor:
+        return self._store
+
+    @store.setter
+    def store(self, value: torch.Tensor) -> None:
+        self._store = value
+        self.keys = list(value[: self.num_layers])  # [B, H_kv, C, D] views, one per layer
+        self.values = list(value[self.num_layers :])
 
     # --- size --------------------------------------------------------------------------------------
     @property
@@ -66,7 +81,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        return self._store.shape[3]
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -88,15 +103,13 @@ class KVCache:
         return self._bounds[0]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return self._store.numel() * self._store.element_size()
 
     def _resize(self, capacity: int) -> None:
         keep = min(capacity, self.capacity)
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = self._empty(self.batch_size, capacity)
-                new[:, :, :keep] = old[:, :, :keep]
-                store[i] = new
+        new = self._empty(self.batch_size, capacity)
+        new[..., :keep, :] = self._store[..., :keep, :]
+        self.store = new
 
     def reserve(self, new_tokens: int) -> None:
         """Make room for `new_tokens` more tokens in every row."""
@@ -118,20 +131,25 @@ class KVCache:
         longest = self.max_length
         if longest + T > self.capacity:
             self.reserve(T)
+        keys, values = self.keys[layer], self.values[layer]
         if self.min_length == longest:  # rows of equal length (prefill, batch 1): a plain slice write
-            self.keys[layer][:, :, longest : longest + T] = k
-            self.values[layer][:, :, longest : longest + T] = v
+            keys[:, :, longest : longest + T] = k
+            values[:, :, longest : longest + T] = v
         else:
             slots = self.lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
             rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(slots)
-            self.keys[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, C, D]
-            self.values[layer][rows, :, slots] = v.transpose(1, 2)
+            keys[rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, C, D]
+            values[rows, :, slots] = v.transpose(1, 2)
         end = longest + T
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        return keys[:, :, :end], values[:, :, :end]
 
     def advance(self, counts: torch.Tensor | int) -> None:
         """Count `counts` (per row or for all) freshly written tokens as cached."""
-        self.lengths = self.lengths + counts
+        if isinstance(counts, int):  # every row grows alike: the bounds shift without a device read
+            self._lengths = self._lengths + counts
+            self._bounds = (self._bounds[0] + counts, self._bounds[1] + counts)
+        else:
+            self.lengths = self.lengths + counts
 
     # --- editing -----------------------------------------------------------------------------------
     def rollback(self, lengths: torch.Tensor | int) -> None:
@@ -144,16 +162,21 @@ class KVCache:
     def compact(self, base: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor) -> None:
         """For row b keep the new slots base[b] + keep[b, j] for j < counts[b], moved to base[b] + j,
         and drop the rest: the accepted path of a verified tree. keep: [B, K] ascending offsets."""
-        K = keep.shape[1]
+        B, K = keep.shape
         if K == 0:
             self.rollback(base)
             return
-        src = base[:, None] + keep  # [B, K]
-        dst = base[:, None] + torch.arange(K, device=self.device)  # [B, K]
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(src)
-        for store in (self.keys, self.values):
-            for t in store:
-                t[rows, :, dst] = t[rows, :, src]
+        s = self._store
+        lo, hi = int(base.min()), int(base.max())
+        if lo == hi:  # one start for every row (batch 1, unpadded drafts): gather within a slice
+            new = s[..., lo : self.max_length, :]  # [2L, B, H_kv, W, D] the new slots
+            index = keep[None, :, None, :, None].expand(s.shape[0], B, s.shape[2], K, s.shape[4])
+            s[..., lo : lo + K, :] = new.gather(3, index)
+        else:
+            src = base[:, None] + keep  # [B, K]
+            dst = base[:, None] + torch.arange(K, device=self.device)  # [B, K]
+            rows = torch.arange(B, device=self.device)[:, None].expand_as(src)
+            s[:, rows, :, dst] = s[:, rows, :, src]
         self.lengths = base + counts
 
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
@@ -161,8 +184,7 @@ class KVCache:
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         self.lengths = self.lengths[rows]
         fit = -(-self.max_length // self.block) * self.block
-        self.keys = [t[rows, :, :fit] for t in self.keys]
-        self.values = [t[rows, :, :fit] for t in self.values]
+        self.store = self._store[:, rows, :, :fit]
 
     def fork(self, counts: torch.Tensor | list[int]) -> None:
         """Repeat row b counts[b] times, in place (rows stay grouped)."""
@@ -178,17 +200,6 @@ class KVCache:
         first = caches[0]
         cap = max(c.capacity for c in caches)
         lengths = torch.cat([c.lengths for c in caches])
-
-        def join(store: str, layer: int) -> torch.Tensor:
-            parts = []
-            for c in caches:
-                t = getattr(c, store)[layer]
-                if t.shape[2] < cap:
-                    pad = first._empty(c.batch_size, cap - t.shape[2])
-                    t = torch.cat([t, pad], dim=2)
-                parts.append(t)
-            return torch.cat(parts, dim=0)
-
-        keys = [join("keys", i) for i in range(first.num_layers)]
-        values = [join("values", i) for i in range(first.num_layers)]
-        return first._like(lengths, keys, values)
+        parts = [c.store if c.capacity == cap else torch.cat([c.store, first._empty(c.batch_size, cap - c.capacity)], 3)
+                 for c in caches]
+        return first._like(lengths, torch.cat(parts, 1))
