@@ -165,3 +165,19 @@ def test_skipping_zero_advantage_responses_leaves_the_update_unchanged(model_dir
     assert results[True][1]["loss"] == pytest.approx(results[False][1]["loss"], abs=1e-6)
     for name, tensor in results[True][0].items():
         assert torch.allclose(tensor, results[False][0][name], atol=1e-6), name
+
+
+def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
+    from tlt.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "bad"), "promts_per_step=4"]) == 2
+    assert "promts_per_step" in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    args = [f"model={model_dir}", "drafter=none", "speculative=off", "reward=reward_fixtures:digit_fraction",
+            "train_problems=16", "prompts_per_step=2", "group_size=2", "max_response_tokens=6", "eval_every=0",
+            "save_every=1", "steps=1"]
+    assert main(["train", "--out", str(tmp_path / "run"), *args]) == 0
+    assert main(["train", "--resume", str(tmp_path / "run"), "steps=2"]) == 0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
