@@ -17,8 +17,8 @@ index arithmetic leaks into the engine:
   - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch);
   - `fork(counts)`: repeat each row counts[b] times (n samples of one prompt share one prefill);
   - `concat(caches)`: join batches (admitting freshly prefilled requests).
-The shortest and longest row lengths are kept as Python ints next to `lengths`, so writes and masks
-never read them back from the device.
+The shortest and longest row lengths are kept as Python ints next to `lengths`, read once per change
+(not at all when every row advances alike), so writes and masks do not read them from the device.
 """
 
 from __future__ import annotations

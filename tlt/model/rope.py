@@ -94,15 +94,14 @@ def _yarn(head_dim: int, theta: float, factor: float, s: dict[str, Any]) -> tupl
 def rope_tables(
     positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [B, T, D] for integer positions [B, T]."""
-    angles = positions[..., None].float() * inv_freq  # [B, T, D/2]
-    angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
-    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+    """cos, sin of shape [B, T, 1, D] for integer positions [B, T], laid out for `apply_rope`: the first
+    half of sin is negated, so rotating is one roll instead of a negated half and a concatenation."""
+    angles = positions[..., None, None].float() * inv_freq  # [B, T, 1, D/2]
+    cos, sin = angles.cos() * scaling, angles.sin() * scaling
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D] by the tables [B, T, D] (rotate-half convention)."""
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate x [B, T, H, D] by the tables of `rope_tables` (rotate-half convention): x * cos +
+    rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) = roll(x) * (-1, 1) elementwise."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

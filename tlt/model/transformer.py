@@ -47,10 +47,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference implementation does, so bf16 models agree with it.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op, bit for bit the reference formula below in fp32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in fp32 but apply the weight in the input dtype, as the reference implementation
+        # does, so bf16 models agree with it.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -73,12 +75,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
         if cache is not None:
             k, v = cache.write(layer, k, v)  # [B, Hkv, S, D]
-        # mask None means plain causal attention over the T tokens (no padding, packing or cache).
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        # mask None: every key is visible but the new tokens' later ones (see `attention_mask_for`).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                              enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
@@ -153,6 +155,35 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
+def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                       dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask [B, 1, T, S] of T new tokens written after the rows of `cache` (S = its longest
+    row + T), for a cached forward's `tree_mask` and `attention_mask` (see the module docstring); None
+    when attention needs no mask: a causal prefill into an empty cache, or one new token per row on
+    rows of equal length."""
+    B, lo, hi = cache.batch_size, cache.min_length, cache.max_length
+    device = cache.device
+    if tree_mask is None and attention_mask is None and (hi == 0 or (T == 1 and lo == hi)):
+        return None
+    tree = torch.ones(T, T, dtype=torch.bool, device=device).tril() if tree_mask is None else tree_mask.bool()
+    if lo != hi:
+        tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
+        valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+        return additive(cached_mask(cache.lengths, tree, valid, hi + T), dtype)
+    # Rows of equal length n: slots before the D trailing draft slots are visible to all, so only the
+    # last D + T columns depend on the tree; this is cached_mask's result built directly.
+    D = tree.shape[-1] - T
+    allowed = tree  # [B or 1, T, D + T]
+    if attention_mask is not None:
+        keys = torch.cat([torch.ones(B, D, dtype=torch.bool, device=device), attention_mask.bool()], 1)  # [B, D + T]
+        allowed = allowed & keys[:, None, :]
+    cols = torch.arange(D + T, device=device)
+    allowed = allowed | (cols[None, :] == (D + torch.arange(T, device=device))[:, None])  # every token sees itself
+    mask = torch.zeros(B, 1, T, hi + T, dtype=dtype, device=device)
+    mask[:, 0, :, hi - D :].masked_fill_(~allowed, float("-inf"))
+    return mask
+
+
 class Transformer(nn.Module):
     """A Llama-family causal LM. See the module docstring for the two forward modes."""
 
@@ -213,18 +244,9 @@ class Transformer(nn.Module):
             plain = attention_mask is None and (position_ids is None or not bool((position_ids[:, 1:] == 0).any()))
             mask = None if plain else additive(training_mask(attention_mask, position_ids, B, T, device), x.dtype)
         else:
-            valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
-            if tree_mask is None:
-                tree = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            else:
-                tree = tree_mask.bool()
-            tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
             base = cache.lengths
             position_ids_used = base[:, None] + torch.arange(T, device=device) if position_ids is None else position_ids
-            if tree_mask is None and attention_mask is None and cache.max_length == 0:
-                mask = None  # a plain prefill into an empty cache: causal over the T new tokens only
-            else:
-                mask = additive(cached_mask(base, tree, valid, cache.max_length + T), x.dtype)
+            mask = attention_mask_for(cache, T, tree_mask, attention_mask, x.dtype)
         cos, sin = rope_tables(position_ids_used, self.inv_freq, self.rope_scaling_factor, x.dtype)
         wanted = set(output_layers)
         layer_states = {}
@@ -233,7 +255,7 @@ class Transformer(nn.Module):
             if i in wanted:
                 layer_states[i] = x
         if cache is not None:
-            cache.advance(valid.long().sum(1) if attention_mask is not None else T)
+            cache.advance(attention_mask.long().sum(1) if attention_mask is not None else T)
         hidden = self.model.norm(x)  # [B, T, H]
         picked = hidden if logit_index is None else torch.gather(
             hidden, 1, logit_index[..., None].expand(-1, -1, hidden.shape[-1])

@@ -153,7 +153,7 @@ class SpeculativeDecoder:
                          tree_mask=draft.ancestors, output_layers=self.output_layers)
         counters = batch.counters
         if draft.q is None:
-            visited, emitted, logprobs = walk(out.logits, draft.tokens, draft.parents, batch, counters)
+            visited, emitted, logprobs = walk(out.logits, draft.tokens, draft.parents, draft.depth, batch, counters)
         else:
             visited, emitted, logprobs = self._verify_chain(out.logits, draft, batch, counters)
         K = max(len(v) for v in visited)

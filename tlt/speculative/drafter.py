@@ -38,7 +38,7 @@ from tlt.errors import CheckpointError
 from tlt.model.config import ModelConfig
 from tlt.model.kv_cache import KVCache
 from tlt.model.rope import rope_tables
-from tlt.model.transformer import DecoderLayer, Transformer, additive, cached_mask, training_mask
+from tlt.model.transformer import DecoderLayer, Transformer, additive, attention_mask_for, training_mask
 
 
 @dataclass(frozen=True)
@@ -147,14 +147,11 @@ class Drafter(nn.Module):
         if cache is None:
             mask = additive(training_mask(attention_mask, position_ids, B, T, x.device), x.dtype)
         else:
-            valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
-            tree = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if tree_mask is None else tree_mask.bool()
-            tree = tree.expand(B, *tree.shape) if tree.dim() == 2 else tree
-            mask = additive(cached_mask(cache.lengths, tree, valid, cache.max_length + T), x.dtype)
+            mask = attention_mask_for(cache, T, tree_mask, attention_mask, x.dtype)
         cos, sin = rope_tables(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
         f_hat = self.layer(x, cos, sin, mask, cache, 0)  # [B, T, H], straight to the LM head
         if cache is not None:
-            cache.advance(valid.long().sum(1) if attention_mask is not None else T)
+            cache.advance(attention_mask.long().sum(1) if attention_mask is not None else T)
         # The LM head is the target's and frozen: no gradient may reach it from drafter training.
         return f_hat, F.linear(f_hat, target.lm_head.weight.detach())
 

@@ -37,11 +37,14 @@ class Draft:
     def ancestors(self) -> torch.Tensor:
         """[B, N, N]: node i may attend to node j iff j is i or one of its ancestors."""
         B, N = self.tokens.shape
-        anc = torch.eye(N, dtype=torch.bool, device=self.tokens.device).expand(B, N, N).clone()
-        rows = torch.arange(B, device=self.tokens.device)
-        for j in range(1, N):  # parents precede children, so one pass suffices
-            par = self.parents[:, j].clamp(min=0)
-            anc[:, j] |= anc[rows, par] & (self.parents[:, j] >= 0)[:, None]
+        device = self.tokens.device
+        anc = torch.eye(N, dtype=torch.bool, device=device).expand(B, N, N).clone()
+        node = torch.arange(N, device=device).expand(B, N)
+        up = self.parents  # [B, N] after i passes: each node's ancestor i + 1 levels up (< 0: none)
+        for _ in range(int(self.depth.max()) if N else 0):  # one pass per level, not one per node
+            ok = up >= 0
+            anc.scatter_(2, torch.where(ok, up, node)[..., None], True)  # without an ancestor: itself again
+            up = torch.where(ok, self.parents.gather(1, up.clamp(min=0)), up)
         return anc
 
 
@@ -76,7 +79,11 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     frontier_logits = logits0[:, None]  # [B, 1, V]
     frontier_index = torch.full((B, 1), -1, device=device, dtype=torch.long)  # pool index, -1 = root
     frontier_score = torch.zeros(B, 1, device=device)
-    written: list[torch.Tensor] = []  # pool indices of nodes already in the drafter cache, per level
+    # What each frontier node sees among the draft slots already in the drafter cache (its ancestors):
+    # [B, F, D]. A child sees what its parent saw plus the parent's own slot, so the tree mask of the
+    # next drafter call is its parents' rows of the last call's mask, then the new nodes themselves.
+    frontier_seen = torch.zeros(B, 1, 0, dtype=torch.bool, device=device)
+    itself = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
     for level in range(1, strategy.depth + 1):
         F = frontier_logits.shape[1]
         if strategy.kind == "chain":
@@ -104,30 +111,17 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
         best = child_score.topk(min(k, child_score.shape[1]), dim=-1).indices  # [B, k]
         nxt_index = start + best  # pool indices
         nxt_tok = child_tok.gather(1, best)
-        parent_feat = frontier_feat[rows[:, None], child_from.gather(1, best)]  # [B, k, H]
-        mask = _frontier_mask(written, nxt_index, pool_parent, device)
+        parent = child_from.gather(1, best)  # [B, k] index in the frontier
+        parent_feat = frontier_feat[rows[:, None], parent]  # [B, k, H]
+        seen = frontier_seen.gather(1, parent[..., None].expand(-1, -1, frontier_seen.shape[2]))  # [B, k, D]
+        mask = torch.cat([seen, itself[:, : best.shape[1], : best.shape[1]]], 2)  # [B, k, D + k]
         positions = (base + level - 1)[:, None].expand_as(nxt_tok)  # pair position = parent's position
         f_hat, logits = drafter(nxt_tok, parent_feat, positions, cache=cache, tree_mask=mask)
-        written.append(nxt_index)
-        frontier_feat, frontier_logits = f_hat, logits
+        frontier_feat, frontier_logits, frontier_seen = f_hat, logits, mask
         frontier_index, frontier_score = nxt_index, child_score.gather(1, best)
     cache.rollback(committed)
     return _select(torch.cat(pool_tokens, 1), torch.cat(pool_parent, 1), torch.cat(pool_score, 1),
                    torch.cat(pool_depth, 1), batch.last_tokens, strategy, torch.stack(q_rows, 1) if q_rows else None)
-
-
-def _frontier_mask(written, nxt_index, pool_parent, device) -> torch.Tensor:
-    """[B, F, D + F]: each new frontier node sees its ancestors among the D written draft slots, and
-    itself among the F new ones."""
-    parent = torch.cat(pool_parent, 1)  # [B, P] parent pool index of every pool node
-    B, F = nxt_index.shape
-    cols = torch.cat(written + [nxt_index], 1) if written else nxt_index  # [B, D + F] pool index per slot
-    mask = torch.zeros(B, F, cols.shape[1], dtype=torch.bool, device=device)
-    node = nxt_index.clone()
-    for _ in range(len(written) + 1):  # walk up: the node itself, then each ancestor
-        mask |= (cols[:, None, :] == node[:, :, None]) & (node[:, :, None] >= 0)
-        node = torch.where(node >= 0, parent.gather(1, node.clamp(min=0)), node)
-    return mask
 
 
 def _select(tokens, parents, scores, depth, root, strategy, q) -> Draft:

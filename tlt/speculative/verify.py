@@ -27,11 +27,6 @@ from tlt.rollout.sampling import sample_from, warp_logprobs
 NEG_INF = float("-inf")
 
 
-def warp_rows(logits, batch):
-    """Warped log-probs [B, V] of one node per row, with each row's sampling parameters."""
-    return warp_logprobs(logits, batch.temperature, batch.top_k, batch.top_p)
-
-
 def one_hot_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """log of a point mass at the argmax: [N, V] with 0 at the argmax and -inf elsewhere."""
     out = torch.full_like(logits, NEG_INF, dtype=torch.float32)
@@ -39,37 +34,39 @@ def one_hot_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def walk(
-    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, batch, counters: torch.Tensor
+    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, batch, counters: torch.Tensor
 ) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
     """Target-only verification of a tree per row.
     logits: [B, N, V] target logits at each node (node 0 is the root: the pending token);
-    tokens: [B, N] node tokens; parents: [B, N] parent node index (-1 for the root, -2 for padding).
-    Returns per row: visited nodes (root first), emitted tokens, their log-probs (as plain decoding
-    reports them)."""
-    B, N, _ = logits.shape
-    rows = torch.arange(B, device=logits.device)
-    greedy = batch.temperature <= 0
-    cur = torch.zeros(B, dtype=torch.long, device=logits.device)
-    active = torch.ones(B, dtype=torch.bool, device=logits.device)
-    visited, emitted, logprobs = [[0] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
-    for level in range(N):
-        node_logits = logits[rows, cur]  # [B, V]
-        lp = warp_rows(node_logits, batch)  # [B, V]
-        x = sample_from(lp, rng.uniform(batch.keys, counters + level))  # [B]
-        x = torch.where(greedy, lp.argmax(-1), x)
-        x_lp = lp.gather(1, x[:, None])[:, 0]
-        child = (parents == cur[:, None]) & (tokens == x[:, None])  # [B, N]
-        has = child.any(1) & active
-        nxt = child.float().argmax(1)
-        for b in active.nonzero()[:, 0].tolist():
-            emitted[b].append(int(x[b]))
-            logprobs[b].append(float(x_lp[b]))
-            if has[b]:
-                visited[b].append(int(nxt[b]))
-        active = has
-        if not bool(active.any()):
-            break
-        cur = torch.where(has, nxt, cur)
+    tokens: [B, N] node tokens; parents: [B, N] parent node index (-1 for the root, -2 for padding);
+    depth: [B, N] node depths. Returns per row: visited nodes (root first), emitted tokens, their
+    log-probs (as plain decoding reports them).
+    The draw at a node of depth d uses the uniform of the d-th token after the root, so every node's
+    draw is made at once, before the walk: the walk itself only follows matching children."""
+    B, N, V = logits.shape
+    per_node = [t.repeat_interleave(N, 0) for t in (batch.temperature, batch.top_k, batch.top_p)]
+    lp = warp_logprobs(logits.reshape(B * N, V), *per_node)  # [B*N, V]
+    u = rng.uniform(batch.keys.repeat_interleave(N, 0), (counters[:, None] + depth).flatten())  # [B*N]
+    x = torch.where(per_node[0] <= 0, lp.argmax(-1), sample_from(lp, u))  # [B*N] each node's draw
+    x_lp = lp.gather(1, x[:, None])[:, 0]  # [B*N]
+    draws, draw_lps = x.view(B, N).tolist(), x_lp.view(B, N).tolist()
+    visited, emitted, logprobs = [], [], []
+    for row_tokens, row_parents, row_draws, row_lps in zip(tokens.tolist(), parents.tolist(), draws, draw_lps):
+        child: dict[tuple[int, int], int] = {}
+        for j in range(N):  # (parent, token) -> the first such node
+            child.setdefault((row_parents[j], row_tokens[j]), j)
+        path, out, out_lp = [0], [], []
+        while True:
+            cur = path[-1]
+            out.append(row_draws[cur])
+            out_lp.append(row_lps[cur])
+            nxt = child.get((cur, row_draws[cur]))
+            if nxt is None:
+                break
+            path.append(nxt)
+        visited.append(path)
+        emitted.append(out)
+        logprobs.append(out_lp)
     return visited, emitted, logprobs
 
 
