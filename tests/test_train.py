@@ -181,3 +181,13 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
     assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+
+
+def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_dir):
+    lines = []
+    trainer = GRPOTrainer(config(model_dir, drafter="auto", speculative="adaptive"), log=lines.append)
+    assert trainer.engine.decoder.spec.drafter is None
+    assert any("n-gram drafts only" in line for line in lines)
+    row = trainer.train_step()
+    assert set(row["strategies"]) <= {"off", "ngram-d4"}
+    trainer.close()

@@ -16,7 +16,9 @@ from tlt.errors import ConfigError
 class TrainConfig:
     # --- model and data
     model: str = "default"
-    drafter: str | None = "default"  # needed by the chain/tree arms of speculation; None: n-gram only
+    # The learned drafter for chain/tree speculation: a folder, "default", None (n-gram and off arms
+    # only) or "auto": the built-in drafter for the built-in model, None for any other model.
+    drafter: str | None = "auto"
     task: str = "arithmetic"  # built-in task, used unless `dataset` is given
     dataset: str | None = None  # a JSONL or Parquet file (verl or TRL layout)
     eval_dataset: str | None = None

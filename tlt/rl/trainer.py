@@ -59,6 +59,11 @@ class GRPOTrainer:
         self.policy = load_model(c.model).train()
         self.reference = load_model(c.model).eval().requires_grad_(False) if c.kl_coef > 0 else None
         drafter = c.drafter if c.speculative != "off" else None
+        if drafter == "auto":
+            drafter = "default" if c.model == "default" else None
+            if drafter is None:
+                log(f"drafter=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
+                    "(train one with tlt train-drafter and pass drafter=DIR)")
         self.engine = RolloutEngine(load_model(c.model), self.tokenizer, EngineConfig(
             max_batch_size=c.max_batch_size, seed=c.seed, progress=c.progress, speculative=c.speculative,
             strategy=c.strategy, drafter=drafter))
