@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.bench.e2e import compare
     from tlt.config import build
     from tlt.rl.config import TrainConfig
-    from tlt.rl.metrics import table_header, table_row, read_metrics
+    from tlt.rl.metrics import read_metrics, table_header, table_row
     from tlt.report import write_report
 
     if args.threads:

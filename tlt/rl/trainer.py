@@ -19,6 +19,7 @@ matters is the whole step, not a decoding micro-benchmark.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import random
 import time
@@ -36,8 +37,6 @@ from tlt.rl.grpo import entropy, group_advantages, policy_loss, token_weights, z
 
 def stream_seed(*parts: object) -> int:
     """A 63-bit seed from a tuple of parts, stable across processes (unlike the salted hash())."""
-    import hashlib
-
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
 
