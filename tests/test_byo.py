@@ -47,7 +47,7 @@ def test_verl_parquet_with_chat_prompts_and_the_math_reward(model_dir, tmp_path)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     metrics = run(tiny(model_dir, tmp_path / "train.parquet", reward="math"), tmp_path / "run")
     assert [r["step"] for r in metrics] == [0, 1, 2]
-    assert "eval_accuracy" in metrics[0] and "eval_accuracy" in metrics[-1]  # eval on the dataset's first rows
+    assert "eval_accuracy" in metrics[0] and "eval_accuracy" in metrics[-1]  # eval on held-out rows of the dataset
     assert all(r["reward_errors"] == 0 for r in metrics[1:])  # every ground truth was readable
 
 
@@ -81,6 +81,6 @@ def test_a_tokenizer_that_reads_nothing_of_a_prompt_is_named(tmp_path):
     tiny_hf_model("qwen2", vocab_size=64, **SIZES).save_pretrained(tmp_path / "model")
     build_chat_tokenizer(tmp_path / "model", 64)
     (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
-    config = tiny(tmp_path / "model", tmp_path / "train.jsonl", reward="reward_fixtures:digit_fraction")
+    config = tiny(tmp_path / "model", tmp_path / "train.jsonl", reward="reward_fixtures:digit_fraction", eval_every=0)
     with pytest.raises(ConfigError, match=r"train.jsonl:1: the prompt encodes to no tokens .*Qwen2Tokenizer"):
         train(config, tmp_path / "run", log=lambda *_: None)

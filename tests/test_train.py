@@ -191,3 +191,16 @@ def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_
     row = trainer.train_step()
     assert set(row["strategies"]) <= {"off", "ngram-d4"}
     trainer.close()
+
+
+def test_dataset_eval_holds_rows_out_of_training(model_dir, tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = GRPOTrainer(config(model_dir, dataset=str(tmp_path / "d.jsonl"), eval_every=1, eval_problems=4),
+                          log=lambda *_: None)
+    assert [e.prompt for e in trainer.eval_examples] == ["6+1=", "7+1="]  # at most a quarter is held out
+    assert not {e.prompt for e in trainer.eval_examples} & {e.prompt for e in trainer.train_examples}
+    trainer.close()
+    (tmp_path / "one.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(ConfigError, match="too few to hold any out"):
+        GRPOTrainer(config(model_dir, dataset=str(tmp_path / "one.jsonl"), eval_every=1), log=lambda *_: None)

@@ -95,14 +95,14 @@ def _wandb_run(run_dir: Path, project: str, config: dict):
     return wandb.init(project=project, id=run_id, resume="allow", name=run_dir.name, dir=str(run_dir), config=config)
 
 
+def _width(fmt: str) -> int:
+    return len(fmt.format(0) if "d" in fmt else fmt.format(0.0))
+
+
 def table_header() -> str:
-    return "  ".join(f"{h:>{len(f.format(0) if 'd' in f else f.format(0.0))}}" for h, _, f in COLUMNS)
+    return "  ".join(f"{header:>{_width(fmt)}}" for header, _, fmt in COLUMNS)
 
 
 def table_row(row: dict) -> str:
-    cells = []
-    for _, key, fmt in COLUMNS:
-        width = len(fmt.format(0) if "d" in fmt else fmt.format(0.0))
-        value = row.get(key)
-        cells.append(fmt.format(value) if value is not None else " " * (width - 1) + "-")
-    return "  ".join(cells)
+    return "  ".join(fmt.format(row[key]) if row.get(key) is not None else f"{'-':>{_width(fmt)}}"
+                     for _, key, fmt in COLUMNS)

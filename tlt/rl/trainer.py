@@ -84,8 +84,18 @@ class GRPOTrainer:
             from tlt.data import load_examples
 
             train = load_examples(c.dataset, prompt_column=c.prompt_column)
-            evals = load_examples(c.eval_dataset, prompt_column=c.prompt_column) if c.eval_dataset else train[: c.eval_problems]
-            return train, evals[: c.eval_problems]
+            if c.eval_dataset:
+                return train, load_examples(c.eval_dataset, prompt_column=c.prompt_column)[: c.eval_problems]
+            # No eval file: hold out the dataset's last rows (at most a quarter of it), so that eval
+            # accuracy is measured on prompts the policy never trains on.
+            if not c.eval_every:
+                return train, []
+            held = min(c.eval_problems, len(train) // 4)
+            if held < 1:
+                raise ConfigError(f"{c.dataset}: {len(train)} examples are too few to hold any out for eval; "
+                                  "give eval_dataset or set eval_every=0")
+            self.log(f"eval on the last {held} of {len(train)} examples of {c.dataset}, held out of training")
+            return train[:-held], train[-held:]
         from tlt.data import task_examples
         from tlt.tasks import get_task
 
@@ -126,7 +136,7 @@ class GRPOTrainer:
         flat = zero_variance_groups(rewards, groups)
         learn = [e for e, f in zip(episodes, flat.tolist()) if not (self.config.filter_groups and f)]
         with _timer(times, "logprob"):
-            old, ref = self.reference_logprobs(learn)
+            old, ref = self.recomputed_logprobs(learn)
         with _timer(times, "update"):
             update = self.update(learn, old, ref) if learn else {"skipped_update": 1}
         with _timer(times, "sync"):
@@ -189,7 +199,7 @@ class GRPOTrainer:
         picked = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
         return picked, (entropy(logprobs) if with_entropy else None)
 
-    def reference_logprobs(self, episodes: list[Episode]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    def recomputed_logprobs(self, episodes: list[Episode]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Old log-probs recomputed by the trainer (when configured) and reference log-probs (with KL), per
         episode id(); an empty dict means "use the engine's" / "no reference"."""
         c = self.config
@@ -282,6 +292,8 @@ class GRPOTrainer:
         from tlt.evaluate import pass_at_k
 
         c = self.config
+        if not self.eval_examples:
+            return {}
         start = time.perf_counter()
         greedy, _ = self.rollout(self.eval_examples, 0, greedy=True, samples=1, salt="eval-greedy")
         sampled, _ = self.rollout(self.eval_examples, 0, samples=c.eval_samples, salt="eval")
