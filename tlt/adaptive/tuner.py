@@ -260,6 +260,18 @@ class Tuner:
                 self.log(f"tuner: pruned {arm} from bucket {self.label(i)} at step {bucket.clock}: median "
                          f"{median:.1f} tok/s < {c.prune_ratio} x {leader}'s {best_median:.1f}")
 
+    def reset_arms(self, arms: Sequence[str]) -> None:
+        """Forget every reward and pruning of `arms` in every bucket, so they count as untried again: what
+        they earned described a drafter that has since been replaced."""
+        for arm in arms:
+            if arm not in self._buckets[0].choices:
+                raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
+        for bucket in self._buckets:
+            for arm in arms:
+                bucket.windows[arm].clear()
+                bucket.pruned.pop(arm, None)
+                bucket.summaries.pop(arm, None)
+
     # --- reporting and state -----------------------------------------------------------------------
     def label(self, i: int) -> str:
         """Human-readable batch sizes of bucket i: "1", "3-4", ">32"."""

@@ -148,6 +148,10 @@ class RolloutEngine:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.weights_version = 0
+        self.drafter_version = 0
+        # Called after every engine step (with the engine): where a worker injects a drill fault or
+        # checks its mailbox, without the engine knowing about workers.
+        self.step_callback = None
 
     def _make_decoder(self):
         if self.config.speculative == "off":
@@ -177,7 +181,33 @@ class RolloutEngine:
         load_state_dict() carry it across RL steps and runs."""
         return getattr(self.decoder, "tuner", None)
 
+    @property
+    def drafter(self):
+        """The learned drafter chain and tree strategies draft with (None: n-gram and off only)."""
+        spec = getattr(self.decoder, "spec", self.decoder)
+        return getattr(spec, "drafter", None)
+
     # --- public API --------------------------------------------------------------------------------
+    def load_drafter(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy a drafter's trainable weights into the engine's drafter in place and record their version.
+        The tuner forgets what it measured of the arms that use the drafter (their rewards described the
+        old one), so it measures them afresh. Verification does not depend on the drafter: any weights,
+        swapped at any time, leave the output distribution exactly as it was."""
+        from tlt.speculative.drafter import check_tensors
+
+        drafter = self.drafter
+        if drafter is None:
+            raise ConfigError("load_drafter: the engine has no learned drafter (speculative off or n-gram only)")
+        check_tensors(state, drafter.state_dict(), "load_drafter")
+        with torch.no_grad():
+            for name, tensor in drafter.state_dict().items():
+                tensor.copy_(state[name])
+        self.drafter_version = int(version)
+        if self.tuner is not None:
+            from tlt.speculative.strategy import Strategy
+
+            self.tuner.reset_arms([a for a in self.tuner.config.arms if Strategy.parse(a).uses_drafter])
+
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy a policy's weights (a state dict with the model's parameter names) into the engine's
         model in place, so a drafter sharing its embedding and head follows, and record their version."""
@@ -223,6 +253,8 @@ class RolloutEngine:
         with torch.inference_mode():
             while self.scheduler.waiting or (self.batch is not None and len(self.batch)):
                 self.step()
+                if self.step_callback is not None:
+                    self.step_callback(self)
                 bar.update(len(self._finished), f"live {len(self.batch) if self.batch else 0}")
         bar.close()
         self._stats.wall_time += time.perf_counter() - start

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from tlt.config import build, to_dict
 from tlt.errors import ConfigError
-from tlt.speculative.data import DraftRecord, PackedBatch, collect, fill_rows, pack, packed_batches, record_pairs
+from tlt.speculative.data import (DraftRecord, PackedBatch, collect, fill_rows, pack, packed_batches, record_pairs,
+                                  records_from_texts)
 
 
 # --- loss ------------------------------------------------------------------------------------------
@@ -214,6 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="target model folder or built-in name")
     parser.add_argument("--out", required=True, help="output drafter folder")
     parser.add_argument("--from-drafter", help="drafter folder to continue training from")
+    parser.add_argument("--data", choices=("generations", "references"), default="generations",
+                        help="train on the target's own samples, or on the task's reference solutions "
+                             "(text the policy did not write, as a drafter trained on generic data)")
     parser.add_argument("--prompts", type=int, default=256, help="train-split problems to generate on")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -244,13 +248,17 @@ def run(args: argparse.Namespace) -> int:
         drafter = Drafter.from_target(target, c.feature_layers, seed=c.seed)
     task = ArithmeticTask()
 
-    def gather(n: int, split: str) -> list[DraftRecord]:
-        prompts = [p.prompt for p in task.sample(n, seed=c.seed, split=split)]
-        return collect(target, tokenizer, prompts, args.samples, args.temperature, args.max_tokens,
-                       c.seed, drafter.output_layers)
+    def gather(n: int, split: str, data: str = "generations") -> list[DraftRecord]:
+        problems = task.sample(n, seed=c.seed, split=split)
+        if data == "references":
+            return records_from_texts(target, tokenizer, [p.prompt for p in problems],
+                                      [p.solution for p in problems], drafter.output_layers)
+        return collect(target, tokenizer, [p.prompt for p in problems], args.samples, args.temperature,
+                       args.max_tokens, c.seed, drafter.output_layers)
 
     start = time.time()
-    records, held_out = gather(args.prompts, "train"), gather(args.eval_prompts, "eval")
+    # Held-out agreement is always measured on the target's own samples: what drafting will meet.
+    records, held_out = gather(args.prompts, "train", args.data), gather(args.eval_prompts, "eval")
     print(f"collected {len(records)} responses, {sum(len(r.tokens) - 1 for r in records)} pairs "
           f"(+{len(held_out)} held out) in {time.time() - start:.0f}s")
     before = acceptance_top1(drafter, held_out)
@@ -259,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"held-out top-1 agreement {before:.3f} -> {metrics['held_out_top1']:.3f}")
     drafter.config = dataclasses.replace(drafter.config, target_name=str(args.model))  # names its target
     drafter.save(args.out)
-    data = {"model": args.model, "from_drafter": args.from_drafter, "prompts": args.prompts,
+    data = {"model": args.model, "data": args.data, "from_drafter": args.from_drafter, "prompts": args.prompts,
             "samples": args.samples, "temperature": args.temperature, "max_tokens": args.max_tokens,
             "eval_prompts": args.eval_prompts}
     atomic_write_json(Path(args.out) / "recipe.json",

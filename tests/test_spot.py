@@ -1,0 +1,353 @@
+"""The adaptive drafter's parts without Ray: buffer, schedule, coordinator, spot trainer, checkpoints,
+shares, and hot-swapping a drafter into a running engine."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from tlt.errors import CheckpointError, ConfigError, TrainingError
+from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
+from tlt.speculative.data import DraftRecord, collect
+from tlt.speculative.drafter import Drafter
+from tlt.spot.buffer import Entry, OnlineBuffer, favour_long, keep_recent, sampled_batches
+from tlt.spot.coordinator import Coordinator, WorkerState
+from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer, latest_drafter_checkpoint,
+                              load_checkpoint)
+from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
+
+
+def record(n: int, H: int = 4, fill: float = 0.0) -> DraftRecord:
+    return DraftRecord(torch.arange(n), torch.full((n, H), fill), prompt_len=3)
+
+
+def small(**fields) -> SpotConfig:
+    base = dict(when="every", min_pairs=1, lr=3e-3, batch_tokens=128, rows=2, window=32)
+    base.update(fields)
+    return SpotConfig(**base)
+
+
+@pytest.fixture
+def target(tiny_model):
+    return tiny_model(seed=3)
+
+
+@pytest.fixture
+def records(target):
+    return collect(target, None, [[1, 5, 7], [1, 9], [1, 4, 4, 8, 3]], samples_per_prompt=4, temperature=1.0,
+                   max_tokens=40, seed=0)
+
+
+# --- buffer ----------------------------------------------------------------------------------------
+def test_buffer_keeps_the_last_versions_and_its_byte_bound():
+    buffer = OnlineBuffer(max_bytes=10**9, evict=keep_recent(2))
+    for version in range(4):
+        buffer.add([record(5), record(1)], version)  # a 1-token response has no pair and is skipped
+    assert buffer.versions == [2, 3] and len(buffer) == 2
+    one = Entry(record(5), 0, 0).nbytes
+    bounded = OnlineBuffer(max_bytes=2 * one, evict=keep_recent(10))
+    bounded.add([record(5, fill=1.0), record(5, fill=2.0)], 0)
+    bounded.add([record(5, fill=3.0)], 1)
+    assert bounded.nbytes <= 2 * one
+    assert [float(e.record.features[0, 0]) for e in bounded.entries] == [2.0, 3.0]  # oldest dropped first
+    assert bounded.stats()["evicted"] == 1
+    with pytest.raises(ConfigError, match="versions"):
+        keep_recent(0)
+    with pytest.raises(ConfigError, match="kept nothing"):
+        OnlineBuffer(evict=lambda entries: []).add([record(4)], 0)
+
+
+def test_sampling_favours_long_responses_in_proportion():
+    entries = [Entry(record(11), 0, 0), Entry(record(41), 0, 1)]  # 10 and 40 pairs
+    weights = favour_long(1.0)(entries)
+    assert weights == [10.0, 40.0]
+    batches = sampled_batches(entries, weights, rows=4, row_tokens=64, window=64, seed=0)
+    lengths = []
+    for _ in range(50):
+        batch = next(batches)
+        starts = (batch.positions == 0) & batch.mask
+        for row in range(batch.tokens.shape[0]):
+            idx = starts[row].nonzero().flatten().tolist() + [int(batch.mask[row].sum())]
+            lengths += [b - a for a, b in zip(idx, idx[1:])]
+    share_long = lengths.count(40) / len(lengths)
+    assert abs(share_long - 0.8) < 0.06, share_long  # drawn 4x as often as the short one
+    assert set(lengths) == {10, 40}  # whole windows, never cut
+
+
+def test_windows_are_the_last_pairs_of_a_response():
+    entries = [Entry(record(100), 0, 0)]
+    batch = next(sampled_batches(entries, [1.0], rows=1, row_tokens=32, window=16, seed=0))
+    assert batch.tokens[0, :16].tolist() == list(range(83, 99))  # pairs 83..98 of 99
+
+
+# --- schedule --------------------------------------------------------------------------------------
+def test_schedule_modes():
+    every = Schedule(small(when="every", min_pairs=100))
+    assert not every.due(0, 99) and every.due(0, 100)
+    n = Schedule(small(when="every-N", every=3))
+    assert [n.due(s, 10) for s in range(6)] == [True, False, False, True, False, False]
+    acc = Schedule(small(when="acceptance", fraction=0.9))
+    assert acc.due(0, 10)  # nothing measured yet
+    acc.observe(3.0)
+    assert not acc.due(1, 10)
+    acc.observe(2.8)
+    assert not acc.due(2, 10)
+    acc.observe(2.6)  # below 0.9 x 3.0
+    assert acc.due(3, 10)
+    acc.observe(None)  # no drafter step ran: keeps the last measurement
+    assert acc.due(4, 10)
+    assert not Schedule(small(when="off")).due(0, 10**6)
+    with pytest.raises(ConfigError, match="when"):
+        SpotConfig(when="sometimes")
+    with pytest.raises(ConfigError, match="batch_tokens"):
+        SpotConfig(batch_tokens=100, rows=4, window=256)
+
+
+# --- coordinator -----------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_coordinator_lifecycle_and_timeline():
+    clock = FakeClock()
+    c = Coordinator(3, clock)
+    assert c.states == [WorkerState.IDLE] * 3
+    c.start_rollout()
+    clock.t = 1.0
+    assert c.released(1, training_due=True)  # first released while others generate: trains
+    assert c.states[1] is WorkerState.TRAINING and c.trainer == 1
+    clock.t = 2.0
+    assert not c.released(0, training_due=True)  # one trainer at a time
+    assert c.states[0] is WorkerState.DONE
+    clock.t = 5.0
+    assert not c.released(2, training_due=True)  # the last one: nobody is generating any more
+    assert not c.rollout_active
+    c.trainer_stopped()
+    assert c.states == [WorkerState.DONE] * 3
+    s = c.summary()
+    assert s["generating_s"] == [2.0, 1.0, 5.0]
+    assert s["training_s"] == [0.0, 4.0, 0.0]
+    assert s["idle_s"] == [3.0, 0.0, 0.0]
+    c.start_rollout()  # the next rollout starts from DONE
+    assert c.states == [WorkerState.GENERATING] * 3
+
+
+def test_coordinator_refuses_impossible_events():
+    c = Coordinator(2, FakeClock())
+    with pytest.raises(TrainingError, match="idle to released"):
+        c.released(0, training_due=False)
+    c.start_rollout()
+    with pytest.raises(TrainingError, match="already running"):
+        c.start_rollout()
+    assert not c.released(0, training_due=False)
+    with pytest.raises(TrainingError, match="done to released"):
+        c.released(0, training_due=False)
+    with pytest.raises(TrainingError, match="no worker is training"):
+        c.trainer_stopped()
+    c.restarted(1)
+    assert c.restarts == [0, 1] and c.states[1] is WorkerState.GENERATING
+    assert not c.released(1, training_due=True)  # last worker: no idle time left to train in
+
+
+# --- spot trainer ----------------------------------------------------------------------------------
+def batches_of(records, c: SpotConfig, seed=0):
+    entries = [Entry(r, 0, j) for j, r in enumerate(records)]
+    return sampled_batches(entries, favour_long()(entries), c.rows, c.row_tokens, c.window, seed)
+
+
+def test_spot_trainer_learns_and_round_trips(target, records):
+    from tlt.speculative.train import acceptance_top1
+
+    drafter = Drafter.from_target(target, seed=0)
+    before = acceptance_top1(drafter, records)
+    c = small(max_steps=60)
+    trainer = SpotTrainer(drafter, c)
+    result = trainer.train(batches_of(records, c), lambda: False)
+    assert result.steps == 60 and result.stopped == "max_steps" and trainer.version == 1
+    after = acceptance_top1(drafter, records)
+    assert after > before + 0.2, (before, after)
+    other = SpotTrainer(Drafter.from_target(target, seed=1), c)
+    other.load_state_dict(trainer.state_dict())
+    assert other.steps == 60 and other.version == 1
+    assert all(torch.equal(a, b) for a, b in zip(other.drafter.state_dict().values(), drafter.state_dict().values()))
+    # the target is never touched by drafter training
+    assert not any(p.grad is not None for p in target.parameters())
+
+
+def test_preemption_is_honoured_within_one_optimizer_step(target, records):
+    """A stop request from another thread ends training after at most the optimizer step in flight."""
+    c = small(batch_tokens=512, rows=4, window=64)
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
+    step_times, stop, requested = [], threading.Event(), {}
+    batches = batches_of(records, c)
+
+    def timed():
+        while True:
+            start = time.perf_counter()
+            batch = next(batches)
+            yield batch
+            step_times.append(time.perf_counter() - start)
+
+    def request_stop():
+        time.sleep(0.5)
+        requested["t"] = time.perf_counter()
+        stop.set()
+
+    threading.Thread(target=request_stop).start()
+    result = trainer.train(timed(), stop.is_set, lambda: requested.get("t"))
+    assert result.stopped == "stop" and result.steps >= 1
+    assert result.stop_latency_s is not None
+    assert result.stop_latency_s <= max(step_times) * 1.5 + 0.05, (result.stop_latency_s, max(step_times))
+    # a phase asked to stop before it starts takes no step and publishes no version
+    idle = trainer.train(batches, lambda: True)
+    assert idle.steps == 0 and trainer.version == 1
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+def test_async_checkpoint_round_trip(tmp_path, target, records):
+    c = small(max_steps=3)
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
+    trainer.train(batches_of(records, c), lambda: False)
+    writer = DrafterCheckpointer(tmp_path / "ck", keep=2)
+    writer.save_async(trainer.state_dict(), trainer.drafter.config, {"rl_step": 7})
+    saved = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    trainer.train(batches_of(records, c, seed=1), lambda: False)  # training goes on while it writes
+    writer.wait()
+    folder = latest_drafter_checkpoint(tmp_path / "ck")
+    restored = SpotTrainer(Drafter.from_target(target, seed=5), c)
+    meta = load_checkpoint(folder, restored)
+    assert meta["rl_step"] == 7 and restored.steps == 3 and restored.version == 1
+    for k, v in restored.drafter.state_dict().items():
+        assert torch.equal(v, saved[k]), k  # the snapshot, not the weights trained after it
+    assert Drafter.load(folder, target) is not None  # also a loadable drafter folder
+    for _ in range(3):
+        trainer.train(batches_of(records, c), lambda: False)
+        writer.save(trainer.state_dict(), trainer.drafter.config)
+    assert len(list((tmp_path / "ck").glob("drafter_*"))) == 2  # keep=2
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from tlt.model import ModelConfig, Transformer
+    from tlt.speculative.drafter import Drafter
+    from tlt.spot.trainer import DrafterCheckpointer, SpotConfig, SpotTrainer
+    torch.manual_seed(0)
+    target = Transformer(ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=61, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=256, qk_norm=True))
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), SpotConfig(batch_tokens=1024, rows=4, window=256))
+    writer = DrafterCheckpointer(sys.argv[1], keep=2)
+    version = 0
+    print("ready", flush=True)
+    while True:
+        version += 1
+        with torch.no_grad():
+            for p in trainer.drafter.parameters():
+                p.fill_(float(version))
+        trainer.version, trainer.steps = version, version
+        writer.save_async(trainer.state_dict(), trainer.drafter.config)
+""")
+
+
+def test_a_kill_during_save_never_leaves_a_torn_checkpoint(tmp_path, target):
+    """SIGKILL a process that checkpoints back to back, at several moments: the newest complete checkpoint
+    always loads, and its weights all carry its own version (nothing half-written or mixed)."""
+    script = tmp_path / "saver.py"
+    script.write_text(KILL_SCRIPT)
+    root = tmp_path / "ck"
+    for delay in (0.3, 0.55, 0.8, 1.1):
+        proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        folder = latest_drafter_checkpoint(root)
+        if folder is None:
+            continue
+        from tlt.spot.trainer import read_state
+
+        state = read_state(folder)
+        values = {float(v.flatten()[0]) for v in state["drafter"].values()}
+        assert values == {float(state["version"])}, (folder, values)
+        assert all(torch.all(v == state["version"]) for v in state["drafter"].values())
+    assert latest_drafter_checkpoint(root) is not None
+
+
+def test_unreadable_pointer_is_named(tmp_path):
+    (tmp_path / "latest.json").write_text("{")
+    with pytest.raises(CheckpointError, match="latest.json"):
+        latest_drafter_checkpoint(tmp_path)
+
+
+# --- shares and stats ------------------------------------------------------------------------------
+def test_assign_balances_by_predicted_cost():
+    costs = [10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 8]
+    shares = assign(costs, 2)
+    loads = [sum(costs[i] for i in s) for s in shares]
+    assert sorted(i for s in shares for i in s) == list(range(len(costs)))  # each group exactly once
+    assert abs(loads[0] - loads[1]) <= 1
+    assert assign([5, 5], 3)[2] == []
+
+
+def test_length_predictor():
+    p = LengthPredictor()
+    assert p.predict([1, 2]) == 1.0  # nothing seen: uniform
+    for n in range(2, 12):
+        p.observe(list(range(n)), [10 * n, 10 * n])
+    assert p.predict(list(range(5))) == 50.0  # seen before: its own mean
+    assert abs(p.predict(list(range(20))) - 200.0) < 1e-6  # unseen: the line on prompt length
+
+
+def test_merge_stats_and_drafter_acceptance():
+    a = {"steps": 2, "prefill_tokens": 5, "decode_tokens": 9, "wall_time_s": 1.0, "step_times_s": [0.5, 0.5],
+         "batch_sizes": [2, 1], "strategies": ["off", "chain-d4"], "step_tokens": [2, 4]}
+    b = {"steps": 1, "prefill_tokens": 3, "decode_tokens": 3, "wall_time_s": 2.0, "step_times_s": [2.0],
+         "batch_sizes": [1], "strategies": ["ngram-d4"], "step_tokens": [3]}
+    m = merge_stats([a, b])
+    assert m["steps"] == 3 and m["decode_tokens"] == 12 and m["wall_time_s"] == 2.0
+    assert m["acceptance_length"] == (4 + 3) / 2
+    assert drafter_acceptance(m) == 4.0  # n-gram steps do not count for the learned drafter
+    assert drafter_acceptance(b) is None
+
+
+# --- hot swap --------------------------------------------------------------------------------------
+def test_drafter_swapped_mid_rollout_changes_no_output(target):
+    """Lossless whatever the drafter: greedy outputs with a drafter swapped in between engine steps equal
+    plain decoding exactly; the tuner forgets the drafter arms' rewards at the swap."""
+    prompts = [[1, 5, 7], [1, 9, 3, 3], [1, 4]]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain = RolloutEngine(target, config=EngineConfig(progress=False)).generate(prompts, params)
+    engine = RolloutEngine(target, config=EngineConfig(progress=False, speculative="adaptive",
+                                                       drafter=Drafter.from_target(target, seed=0)))
+    other = Drafter.from_target(target, seed=9).trainable_state()
+    swaps = []
+
+    def drafter_samples(e):
+        return sum(n for b in e.tuner.stats()["buckets"] for arm, n in b["samples"].items()
+                   if arm in ("chain-d4", "tree-d4-k4-v16", "tree-d6-k4-v24"))
+
+    def swap(e):
+        if e._stats.steps == 8:
+            swaps.append(drafter_samples(e))
+            e.load_drafter(other, 1)
+            swaps.append(drafter_samples(e))
+
+    engine.step_callback = swap
+    out = engine.generate(prompts, params)
+    assert [c.token_ids for o in out for c in o.outputs] == [c.token_ids for o in plain for c in o.outputs]
+    assert swaps[0] > 0 and swaps[1] == 0  # measured under the old drafter, then forgotten
+    assert engine.drafter_version == 1
+    assert torch.equal(engine.drafter.fc.weight, other["fc.weight"])
+    with pytest.raises(CheckpointError):
+        engine.load_drafter({"fc.weight": other["fc.weight"]}, 2)

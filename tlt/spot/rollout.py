@@ -1,0 +1,269 @@
+"""Rollout with an adaptive drafter: the GRPO trainer's single entry point for generating a step.
+
+`make_rollout` picks the backend from the config:
+  - `LocalRollout`: the in-process engine (one worker). With no second worker there is no idle time
+    to train in, so a due drafter phase runs after the rollout for `local_steps` optimizer steps and is
+    counted in the step's drafter time: the honest cost of training on the critical path.
+  - `PooledRollout`: W Ray workers (workers.py). Released workers train the drafter in the tail; the
+    phase is stopped when the last share is in, and its state is collected at the end of the RL step
+    (long finished by then: the reward and the policy update run in between).
+Both keep the `DrafterLearning` state on the driver: the online buffer, the schedule, the newest
+trainer state (drafter weights, optimizer, counters) and its asynchronous checkpoints. At the start
+of every rollout, every worker holds the newest drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tlt.errors import ConfigError
+from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
+from tlt.spot.coordinator import Coordinator
+from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer
+from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
+
+
+class DrafterLearning:
+    """Driver-side state of online drafter training (see the module docstring)."""
+
+    def __init__(self, config: SpotConfig, drafter_config, checkpoint_root: str | Path | None = None,
+                 log: Callable[[str], None] = print) -> None:
+        if drafter_config.feature_layers:
+            raise ConfigError("online drafter training needs an EAGLE-1 drafter (last-layer features): rollout "
+                              f"does not return the intermediate layers {drafter_config.feature_layers} an "
+                              "EAGLE-3 drafter reads")
+        self.config, self.drafter_config, self.log = config, drafter_config, log
+        self.buffer = OnlineBuffer(config.buffer_mb << 20, keep_recent(config.buffer_versions), favour_long(1.0))
+        self.schedule = Schedule(config)
+        self.state: dict | None = None  # SpotTrainer.state_dict() of the newest phase
+        self.checkpointer = DrafterCheckpointer(checkpoint_root) if checkpoint_root is not None else None
+        self.phases: list[dict] = []
+
+    @property
+    def version(self) -> int:
+        return 0 if self.state is None else int(self.state["version"])
+
+    def due(self, step: int) -> bool:
+        return self.schedule.due(step, self.buffer.pairs)
+
+    def add(self, outputs, version: int) -> None:
+        import torch
+
+        from tlt.speculative.data import DraftRecord
+
+        records = []
+        for out in outputs:
+            for c in out.outputs:
+                if c.hidden_states is None:
+                    raise ConfigError("drafter training needs the rollout's hidden states (return_hidden_states)")
+                records.append(DraftRecord(torch.tensor(c.token_ids), c.hidden_states, len(out.prompt_token_ids)))
+        self.buffer.add(records, version)
+
+    def payload(self) -> tuple[list, list[float]]:
+        entries = self.buffer.entries
+        return [e.record for e in entries], self.buffer.sample(entries)
+
+    def accept(self, state: dict, report: dict, step: int) -> None:
+        """Take a finished phase's trainer state (when it stepped) and checkpoint it in the background."""
+        report = {**report, "rl_step": step}
+        self.phases.append(report)
+        if report["steps"] == 0:
+            return
+        self.state = state
+        if self.checkpointer is not None:
+            self.checkpointer.save_async(state, self.drafter_config, {"rl_step": step})
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+
+def wants_hidden(params: Sequence, learning: DrafterLearning | None) -> list:
+    if learning is None:
+        return list(params)
+    from dataclasses import replace
+
+    return [replace(p, return_hidden_states=True) for p in params]
+
+
+class LocalRollout:
+    def __init__(self, engine, learning: DrafterLearning | None, local_steps: int = 8) -> None:
+        self.engine, self.learning, self.local_steps = engine, learning, local_steps
+        self.workers = 1
+        self._last: dict = {}
+
+    @property
+    def tuner(self):
+        return self.engine.tuner
+
+    def load_weights(self, state: dict, version: int) -> None:
+        self.engine.load_weights(state, version)
+
+    def generate(self, prompts, params, weights_version: int, step: int):
+        self.engine.reset_stats()
+        outputs = self.engine.generate(prompts, wants_hidden(params, self.learning), weights_version=weights_version)
+        stats = self.engine.stats()
+        self._last = {"due": False}
+        if self.learning is not None:
+            self.learning.add(outputs, weights_version)
+            self.learning.schedule.observe(drafter_acceptance(stats))
+            self._last["due"] = self.learning.due(step)
+        return outputs, stats
+
+    def finish_step(self, step: int) -> dict:
+        """Train in place when due (on the critical path: there is no idle worker). Returns drafter metrics."""
+        if self.learning is None or not self._last.get("due"):
+            return {}
+        from tlt.spot.buffer import sampled_batches
+        from tlt.spot.trainer import PhaseResult
+
+        learning, c = self.learning, self.learning.config
+        trainer = SpotTrainer(self.engine.drafter, c)
+        if learning.state is not None:
+            trainer.load_state_dict(learning.state)
+        records, weights = learning.payload()
+        entries = learning.buffer.entries
+        batches = sampled_batches(entries, weights, c.rows, c.row_tokens, c.window, c.seed + step)
+        done = {"n": 0}
+
+        def stop() -> bool:
+            done["n"] += 1
+            return done["n"] > self.local_steps
+
+        result: PhaseResult = trainer.train(batches, stop)
+        report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": None, "worker": 0,
+                  **{f"loss_{k}": v for k, v in result.metrics.items()}}
+        learning.accept(trainer.state_dict(), report, step)
+        if self.engine.tuner is not None and result.steps:
+            self.engine.load_drafter(learning.state["drafter"], learning.version)
+        return report
+
+    def state(self) -> dict:
+        return {"tuners": [self.engine.tuner.state_dict() if self.engine.tuner is not None else None]}
+
+    def load_state(self, state: dict) -> None:
+        tuners = state.get("tuners") or [None]
+        if tuners[0] is not None and self.engine.tuner is not None:
+            self.engine.tuner.load_state_dict(tuners[0])
+
+    def close(self) -> None:
+        if self.learning is not None:
+            self.learning.close()
+
+
+class PooledRollout:
+    def __init__(self, pool, learning: DrafterLearning | None, log: Callable[[str], None] = print) -> None:
+        self.pool, self.learning, self.log = pool, learning, log
+        self.workers = len(pool)
+        self.coordinator = Coordinator(len(pool))
+        self.predictor = LengthPredictor()
+        self._training: tuple[int, object] | None = None
+        self._drafter_version = 0  # the drafter version every worker holds
+
+    @property
+    def tuner(self):
+        return None  # one tuner per worker: see state()
+
+    def load_weights(self, state: dict, version: int) -> None:
+        self.pool.load_weights(state, version)
+
+    def generate(self, prompts, params, weights_version: int, step: int):
+        ray = self.pool.ray
+        from ray.exceptions import RayActorError
+
+        learning, coord = self.learning, self.coordinator
+        if learning is not None and learning.version != self._drafter_version:
+            self.pool.load_drafter(learning.state["drafter"], learning.version)
+            self._drafter_version = learning.version
+        params = wants_hidden(params, learning)
+        costs = [p.n * self.predictor.predict(q) for q, p in zip(prompts, params)]
+        shares = assign(costs, self.workers)
+        due = learning is not None and learning.due(step)
+        coord.start_rollout()
+        futures, results = {}, [None] * self.workers
+
+        def submit(w: int) -> None:
+            share = shares[w]
+            futures[self.pool.actors[w].generate.remote([prompts[i] for i in share], [params[i] for i in share],
+                                                        weights_version)] = w
+
+        for w in range(self.workers):
+            submit(w)
+        trainer = None
+        while futures:
+            ready, _ = ray.wait(list(futures), num_returns=1)
+            w = futures.pop(ready[0])
+            try:
+                outputs, stats = ray.get(ready[0])
+            except RayActorError as exc:
+                self.log(f"rollout worker {w} died mid-rollout ({type(exc).__name__}); restarting it and "
+                         f"generating its {len(shares[w])} prompts again")
+                self.pool.restart(w)
+                coord.restarted(w)
+                submit(w)
+                continue
+            results[w] = (outputs, stats)
+            if learning is not None:
+                learning.add(outputs, weights_version)
+            if coord.released(w, due):
+                records, weights = learning.payload()
+                ref = ray.put(records)
+                seed = learning.config.seed + step
+                trainer = (w, self.pool.actors[w].train.remote(learning.state, ref, weights, learning.config, seed))
+        if trainer is not None:
+            w, _ = trainer
+            self.pool.actors[w].stop_training.options(concurrency_group="control").remote()
+            self._training = trainer
+        ordered = [None] * len(prompts)
+        for w, share in enumerate(shares):
+            for i, out in zip(share, results[w][0]):
+                ordered[i] = out
+        for q, out in zip(prompts, ordered):
+            self.predictor.observe(q, [len(c.token_ids) for c in out.outputs])
+        stats = merge_stats([r[1] for r in results])
+        stats["workers"] = {**coord.summary(), "shares": [len(s) for s in shares],
+                            "drafter_version": self._drafter_version}
+        if learning is not None:
+            learning.schedule.observe(drafter_acceptance(stats))
+            stats["workers"]["training_due"] = due
+        return ordered, stats
+
+    def finish_step(self, step: int) -> dict:
+        """Collect the spot phase of this step's rollout (it stopped when rollout ended) and push the new
+        drafter to every worker. Returns the phase report ({} when no phase ran)."""
+        if self._training is None:
+            return {}
+        from ray.exceptions import RayActorError
+
+        w, future = self._training
+        self._training = None
+        self.coordinator.trainer_stopped()
+        try:
+            state, report = self.pool.ray.get(future)
+        except RayActorError as exc:
+            self.log(f"spot trainer on worker {w} died ({type(exc).__name__}); its phase is lost, the drafter "
+                     "stays at the last collected state")
+            self.pool.restart(w)
+            return {"steps": 0, "worker": w, "lost": True}
+        report["worker"] = w
+        self.learning.accept(state, report, step)
+        if self.learning.version != self._drafter_version:
+            self.pool.load_drafter(self.learning.state["drafter"], self.learning.version)
+            self._drafter_version = self.learning.version
+        return report
+
+    def state(self) -> dict:
+        return {"tuners": self.pool.collect_tuners()}
+
+    def load_state(self, state: dict) -> None:
+        tuners = state.get("tuners")
+        if tuners and len(tuners) == self.workers:
+            self.pool.load_tuners(tuners)
+        elif tuners:
+            self.log(f"tuner state of {len(tuners)} workers does not fit {self.workers} workers; tuners start fresh")
+
+    def close(self) -> None:
+        if self.learning is not None:
+            self.learning.close()
+        self.pool.close()

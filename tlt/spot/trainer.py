@@ -1,0 +1,325 @@
+"""The spot trainer: drafter training in the idle time of rollout workers, stopped the moment rollout ends.
+
+`SpotTrainer.train(batches, should_stop)` takes optimizer steps on the EAGLE loss (speculative/train.py)
+until `should_stop()` turns true, checking before every step. So a stop request is honoured within one
+optimizer step, the bound the coordinator relies on to never delay the next RL step; `max_steps` caps
+a phase on top. The state that moves between workers (`state_dict`) is the drafter's trainable
+weights, the optimizer state and the counters: the target's embedding and head are never part of it.
+
+When to train (`Schedule`): "every" RL step, "every-N" (`every` steps apart), or "acceptance" (the
+default): whenever the acceptance length measured in the last rollout falls below `fraction` of the
+best seen under the current policy's lineage, or no acceptance has been measured yet. The first phase
+waits until the buffer holds `min_pairs` pairs.
+
+Checkpoints (`DrafterCheckpointer`): a snapshot of the state is taken at once (a copy of a few MB) and
+written by a background thread into a hidden temporary folder, which is renamed into place before
+`latest.json` is replaced; a kill at any moment leaves the previous checkpoint as the newest complete one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tlt.errors import CheckpointError, ConfigError
+from tlt.speculative.data import PackedBatch
+
+
+@dataclass(frozen=True)
+class SpotConfig:
+    """when: off, every, every-N or acceptance; lr etc. are the drafter's optimisation; batch_tokens
+    pairs per optimizer step in `rows` rows; window: the last pairs of each response trained on."""
+
+    when: str = "acceptance"
+    every: int = 10
+    fraction: float = 0.9
+    min_pairs: int = 2048
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    batch_tokens: int = 2048
+    rows: int = 4
+    window: int = 256
+    unroll: int = 1
+    feature_weight: float = 1.0
+    token_weight: float = 0.1
+    grad_clip: float = 1.0
+    max_steps: int = 0  # optimizer steps per phase at most (0: until stopped)
+    buffer_mb: int = 256
+    buffer_versions: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.when not in ("off", "every", "every-N", "acceptance"):
+            raise ConfigError(f"drafter training 'when' must be off, every, every-N or acceptance, got {self.when!r}")
+        checks = [("every", self.every >= 1, ">= 1"), ("fraction", 0 < self.fraction <= 1, "in (0, 1]"),
+                  ("min_pairs", self.min_pairs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
+                  ("rows", self.rows >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
+                  ("batch_tokens", self.batch_tokens // max(self.rows, 1) >= self.window,
+                   f"at least rows * window = {self.rows * self.window}"),
+                  ("unroll", self.unroll >= 1, ">= 1"), ("grad_clip", self.grad_clip > 0, "> 0"),
+                  ("max_steps", self.max_steps >= 0, ">= 0"), ("buffer_mb", self.buffer_mb >= 1, ">= 1"),
+                  ("buffer_versions", self.buffer_versions >= 1, ">= 1")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"drafter training field {name!r} must be {expected}, got {getattr(self, name)!r}")
+
+    @property
+    def row_tokens(self) -> int:
+        return self.batch_tokens // self.rows
+
+    def loss_config(self):
+        from tlt.speculative.train import DrafterTrainConfig
+
+        return DrafterTrainConfig(steps=1, lr=self.lr, batch_tokens=self.batch_tokens, rows=self.rows,
+                                  window=self.window, unroll=self.unroll, feature_weight=self.feature_weight,
+                                  token_weight=self.token_weight, grad_clip=self.grad_clip)
+
+
+class Schedule:
+    """Decides, per RL step, whether released workers train the drafter (see the module docstring)."""
+
+    def __init__(self, config: SpotConfig) -> None:
+        self.config = config
+        self.best: float | None = None
+        self.last: float | None = None
+
+    def observe(self, acceptance: float | None) -> None:
+        """The acceptance length of the rollout that just ended (None: no drafter step ran)."""
+        if acceptance is not None and math.isfinite(acceptance):
+            self.last = acceptance
+            self.best = acceptance if self.best is None else max(self.best, acceptance)
+
+    def due(self, step: int, buffered_pairs: int) -> bool:
+        c = self.config
+        if c.when == "off" or buffered_pairs < c.min_pairs:
+            return False
+        if c.when == "every":
+            return True
+        if c.when == "every-N":
+            return step % c.every == 0
+        return self.last is None or self.best is None or self.last < c.fraction * self.best
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "last": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.last = state.get("best"), state.get("last")
+
+
+@dataclass
+class PhaseResult:
+    steps: int = 0
+    seconds: float = 0.0
+    stop_latency_s: float | None = None  # from the stop request to the loop's exit
+    stopped: str = "stop"  # stop, max_steps
+    metrics: dict = field(default_factory=dict)
+
+
+class SpotTrainer:
+    def __init__(self, drafter, config: SpotConfig) -> None:
+        self.drafter, self.config = drafter, config
+        self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.steps = 0  # optimizer steps over the run
+        self.version = 0  # drafter versions published (one per phase that stepped)
+
+    def train(self, batches: Iterator[PackedBatch], should_stop: Callable[[], bool],
+              stop_requested_at: Callable[[], float | None] | None = None) -> PhaseResult:
+        """Optimizer steps until `should_stop()` (checked before each) or `max_steps`. `stop_requested_at`
+        returns the perf_counter time of the stop request, to measure the preemption latency."""
+        from tlt.speculative.train import unrolled_loss
+
+        c, loss_config = self.config, self.config.loss_config()
+        device = self.drafter.target.device
+        self.drafter.train()
+        result, sums = PhaseResult(), {}
+        start = time.perf_counter()
+        try:
+            while True:
+                if should_stop():
+                    result.stopped = "stop"
+                    break
+                if c.max_steps and result.steps >= c.max_steps:
+                    result.stopped = "max_steps"
+                    break
+                batch = next(batches).to(device)
+                loss, m = unrolled_loss(self.drafter, batch, loss_config)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip)
+                self.optimizer.step()
+                result.steps += 1
+                self.steps += 1
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        finally:
+            self.drafter.eval()
+        end = time.perf_counter()
+        result.seconds = end - start
+        requested = stop_requested_at() if stop_requested_at is not None else None
+        if result.stopped == "stop" and requested is not None:
+            result.stop_latency_s = max(end - requested, 0.0)
+        result.metrics = {k: v / result.steps for k, v in sums.items()} if result.steps else {}
+        if result.steps:
+            self.version += 1
+        return result
+
+    # --- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"drafter": self.drafter.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                "steps": self.steps, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drafter.load_state_dict({k: v.to(self.drafter.fc.weight.dtype) for k, v in state["drafter"].items()})
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps, self.version = int(state["steps"]), int(state["version"])
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+class DrafterCheckpointer:
+    """Asynchronous, atomic checkpoints of the spot trainer's state under `root`:
+        root/latest.json           {"version": v, "dir": "drafter_00000v"}
+        root/drafter_00000v/       drafter.safetensors + drafter_config.json (a loadable drafter folder),
+                                   optimizer.pt, spot.json (counters and schedule)
+    Only `keep` newest checkpoints stay."""
+
+    def __init__(self, root: str | os.PathLike, keep: int = 2) -> None:
+        self.root, self.keep = Path(root), keep
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.written: list[Path] = []
+
+    def save_async(self, state: dict, drafter_config, extra: dict | None = None) -> None:
+        """Snapshot a `SpotTrainer.state_dict()` now, write it in the background (after any write still
+        in flight)."""
+        self.wait()
+        snapshot = _snapshot(state)
+        self._thread = threading.Thread(target=self._write, args=(snapshot, drafter_config, extra or {}),
+                                        name="drafter-checkpoint", daemon=True)
+        self._thread.start()
+
+    def save(self, state: dict, drafter_config, extra: dict | None = None) -> Path:
+        self.save_async(state, drafter_config, extra)
+        self.wait()
+        return self.written[-1]
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise CheckpointError(f"{self.root}: drafter checkpoint failed ({error})") from error
+
+    def _write(self, snapshot: dict, drafter_config, extra: dict) -> None:
+        try:
+            self.written.append(write_checkpoint(self.root, snapshot, drafter_config, extra, self.keep))
+        except BaseException as exc:  # reported by the next wait()
+            self.error = exc
+
+
+def _snapshot(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state["optimizer"], buffer)  # serialised now: later optimizer steps cannot leak in
+    return {"drafter": {k: v.clone() for k, v in state["drafter"].items()}, "optimizer": buffer.getvalue(),
+            "steps": state["steps"], "version": state["version"]}
+
+
+def write_checkpoint(root: Path, snapshot: dict, drafter_config, extra: dict, keep: int = 2) -> Path:
+    from tlt.io import atomic_write_json, umask
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"drafter_{snapshot['version']:08d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
+    try:
+        os.chmod(tmp, 0o777 & ~umask())
+        write_files(tmp, snapshot, drafter_config, extra)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_json(root / "latest.json", {"version": snapshot["version"], "dir": final.name})
+    versions = sorted(p for p in root.glob("drafter_*") if p.is_dir())
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+class StateSnapshot:
+    """A trainer state with a `save(folder)` that writes the checkpoint files into `folder` (for the run
+    checkpoint, which is itself written atomically as a whole)."""
+
+    def __init__(self, state: dict, drafter_config, extra: dict | None = None) -> None:
+        self.snapshot, self.drafter_config, self.extra = _snapshot(state), drafter_config, extra or {}
+
+    def save(self, folder: str | os.PathLike) -> None:
+        write_files(Path(folder), self.snapshot, self.drafter_config, self.extra)
+
+
+def write_files(folder: Path, snapshot: dict, drafter_config, extra: dict) -> None:
+    from dataclasses import asdict
+
+    from safetensors.torch import save
+
+    from tlt.io import atomic_write_bytes, atomic_write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(folder / "drafter.safetensors", save(snapshot["drafter"], metadata={"format": "pt"}))
+    atomic_write_json(folder / "drafter_config.json", asdict(drafter_config))
+    atomic_write_bytes(folder / "optimizer.pt", snapshot["optimizer"])
+    atomic_write_json(folder / "spot.json", {"steps": snapshot["steps"], "version": snapshot["version"], **extra})
+
+
+def read_state(folder: str | os.PathLike) -> dict:
+    """A `SpotTrainer.state_dict()` from a checkpoint folder (drafter weights, optimizer, counters)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    for name in ("drafter.safetensors", "optimizer.pt", "spot.json"):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder}: drafter checkpoint has no {name}")
+    try:
+        meta = json.loads((folder / "spot.json").read_text())
+        optimizer = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+        weights = load_file(str(folder / "drafter.safetensors"))
+    except Exception as exc:  # json, torch and safetensors raise several types for a corrupt file
+        raise CheckpointError(f"{folder}: drafter checkpoint cannot be read ({exc})") from None
+    return {"drafter": weights, "optimizer": optimizer, "steps": int(meta["steps"]), "version": int(meta["version"])}
+
+
+def latest_drafter_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete drafter checkpoint under `root`, or None."""
+    pointer = Path(root) / "latest.json"
+    if not pointer.exists():
+        return None
+    try:
+        folder = Path(root) / json.loads(pointer.read_text())["dir"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{pointer}: unreadable checkpoint pointer ({exc})") from None
+    for name in ("drafter.safetensors", "drafter_config.json", "optimizer.pt", "spot.json"):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{pointer} names {folder}, which has no {name}")
+    return folder
+
+
+def load_checkpoint(folder: Path, trainer: SpotTrainer) -> dict:
+    """Restore `trainer` from a checkpoint folder; returns its spot.json."""
+    from tlt.speculative.drafter import check_tensors
+
+    state = read_state(folder)
+    check_tensors(state["drafter"], trainer.drafter.state_dict(), str(Path(folder) / "drafter.safetensors"))
+    trainer.load_state_dict(state)
+    return json.loads((Path(folder) / "spot.json").read_text())

@@ -1,0 +1,294 @@
+"""Rollout workers: engine replicas that generate a share of each rollout and train the drafter when idle.
+
+`RolloutWorker` is a plain class holding one `RolloutEngine` (its own model copy, threads or device);
+`RayPool` runs W of them as Ray actors and is a drop-in for the engine's `generate`: same prompts and
+`SamplingParams` in, the same `RequestOutput`s out, in order. Outputs depend only on each request's
+seed (counter-based sampling), so where a group runs changes nothing it returns.
+
+One rollout on the pool:
+  1. shares: whole groups (a prompt's n samples share one prefill) are spread over the workers by
+     predicted cost, largest first onto the least-loaded worker (`assign`); the cost of a group is n x
+     its predicted response length (`LengthPredictor`: the prompt's own last mean length when it was
+     seen before, else a least-squares line on prompt length over what was seen, else 1);
+  2. every worker generates its share; results arrive as workers finish;
+  3. a finished worker is released (coordinator.py). The responses' target features go into the online
+     buffer; if drafter training is due and others still generate, the released worker becomes the
+     spot trainer and trains the drafter on the buffer (the trainer state travels to it and back);
+  4. when the last share is in, the trainer is told to stop (it does within one optimizer step); its
+     state is collected before the next rollout, whose workers all start from the newest drafter.
+Faults: a worker that dies mid-rollout (its actor is gone) is replaced by a fresh one, brought to the
+current policy, drafter and tuner state, and its share is generated again. A share's results are
+taken once, whole, from the worker that completed it, so no sample is lost or duplicated, and the
+re-run returns exactly what the dead worker would have (same seeds). A spot trainer that dies only
+loses its phase: the drafter stays at the last collected state.
+
+Ray runs a local cluster by default (one worker per core, dashboard off, loopback only) or joins
+`address`; the same code runs on a multi-node cluster, each worker asking Ray for `cpus` CPUs and
+`gpus` GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from tlt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker builds: `model` (folder or built-in name), `engine` (EngineConfig fields other than
+    the drafter), `drafter` (a folder, "default", "random": a fresh one, or None), torch `threads`,
+    `device` ("cpu", "cuda" or None: cuda when the worker sees one). `fault` is a drill: {"rollout": k,
+    "after_steps": n} makes the worker's first incarnation exit abruptly n engine steps into its k-th
+    rollout (0-based), as a crashed or preempted machine would."""
+
+    model: str
+    engine: dict = field(default_factory=dict)
+    drafter: str | None = None
+    threads: int = 1
+    device: str | None = None
+    seed: int = 0
+    fault: dict | None = None
+    incarnation: int = 0
+
+
+class RolloutWorker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        from tlt.model import load_model
+        from tlt.rollout import EngineConfig, RolloutEngine
+
+        self.spec = spec
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_model(spec.model, device=device)
+        drafter = spec.drafter
+        if drafter == "random":
+            from tlt.speculative.drafter import Drafter
+
+            drafter = Drafter.from_target(model, seed=spec.seed).eval()
+        self.engine = RolloutEngine(model, None, EngineConfig(**{**spec.engine, "drafter": drafter, "progress": False}))
+        self.rollouts = 0
+        self._stop = threading.Event()
+        self._stop_at: float | None = None
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def load_weights(self, state: dict, version: int) -> None:
+        self.engine.load_weights(state, version)
+
+    def load_drafter(self, state: dict, version: int) -> None:
+        self.engine.load_drafter(state, version)
+
+    def drafter_tensor(self, name: str) -> torch.Tensor:
+        return self.engine.drafter.state_dict()[name].detach().clone().cpu()
+
+    def tuner_state(self) -> dict | None:
+        return self.engine.tuner.state_dict() if self.engine.tuner is not None else None
+
+    def load_tuner_state(self, state: dict | None) -> None:
+        if state is not None and self.engine.tuner is not None:
+            self.engine.tuner.load_state_dict(state)
+
+    def generate(self, prompts: list[list[int]], params: list, weights_version: int) -> tuple[list, dict]:
+        """(RequestOutputs, engine stats) of one share; hidden states come back as ordinary tensors."""
+        fault = self.spec.fault
+        armed = fault is not None and self.spec.incarnation == 0 and fault.get("rollout", 0) == self.rollouts
+        self.rollouts += 1
+        if armed:
+            limit = int(fault.get("after_steps", 1))
+
+            def crash(engine) -> None:
+                if engine._stats.steps >= limit:
+                    os._exit(17)
+
+            self.engine.step_callback = crash
+        try:
+            self.engine.reset_stats()
+            outputs = self.engine.generate(prompts, params, weights_version=weights_version)
+        finally:
+            self.engine.step_callback = None
+        for out in outputs:
+            for c in out.outputs:
+                if c.hidden_states is not None:
+                    c.hidden_states = c.hidden_states.clone().cpu()  # out of inference mode, off the device
+        return outputs, self.engine.stats()
+
+    # --- spot training -------------------------------------------------------------------------------
+    def train(self, state: dict | None, records: list, weights: list[float], config, seed: int) -> tuple[dict, dict]:
+        """Train the engine's drafter on `records` until `stop_training` (or the config's max_steps);
+        returns (trainer state, phase report). The engine's drafter keeps the trained weights."""
+        from tlt.spot.buffer import Entry, sampled_batches
+        from tlt.spot.trainer import SpotTrainer
+
+        self._stop.clear()
+        self._stop_at = None
+        drafter = self.engine.drafter
+        if drafter is None:
+            raise ConfigError("spot training needs a learned drafter in the engine")
+        trainer = SpotTrainer(drafter, config)
+        if state is not None:
+            trainer.load_state_dict(state)
+        entries = [Entry(r, 0, j) for j, r in enumerate(records)]
+        batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
+        result = trainer.train(batches, self._stop.is_set, lambda: self._stop_at)
+        report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": result.stop_latency_s,
+                  "stopped": result.stopped, **{f"loss_{k}": v for k, v in result.metrics.items()}}
+        return trainer.state_dict(), report
+
+    def stop_training(self) -> None:
+        self._stop_at = time.perf_counter()
+        self._stop.set()
+
+
+# --- shares ----------------------------------------------------------------------------------------
+class LengthPredictor:
+    """Predicted response length of a prompt (see the module docstring); `observe` after each rollout."""
+
+    def __init__(self) -> None:
+        self.by_prompt: dict[tuple[int, ...], float] = {}
+        self.points: list[tuple[int, float]] = []  # (prompt length, mean response length), recent ones
+
+    def observe(self, prompt: Sequence[int], lengths: Sequence[int]) -> None:
+        mean = sum(lengths) / max(len(lengths), 1)
+        self.by_prompt[tuple(prompt)] = mean
+        self.points = (self.points + [(len(prompt), mean)])[-4096:]
+
+    def predict(self, prompt: Sequence[int]) -> float:
+        seen = self.by_prompt.get(tuple(prompt))
+        if seen is not None:
+            return max(seen, 1.0)
+        if len(self.points) < 8:
+            return 1.0
+        xs, ys = [p[0] for p in self.points], [p[1] for p in self.points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        return max(my + slope * (len(prompt) - mx), 1.0)
+
+
+def assign(costs: Sequence[float], workers: int) -> list[list[int]]:
+    """Indices of `costs` per worker: largest first onto the least-loaded worker (ties: lowest index)."""
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        w = min(range(workers), key=lambda w: (load[w], w))
+        shares[w].append(i)
+        load[w] += costs[i]
+    return [sorted(s) for s in shares]
+
+
+def merge_stats(parts: Sequence[dict]) -> dict:
+    """One engine-stats dict for a rollout spread over workers: counts add, per-step lists concatenate
+    (worker after worker), wall time is the slowest worker's."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    out = {k: sum(p[k] for p in parts) for k in ("steps", "prefill_tokens", "decode_tokens")}
+    for k in ("step_times_s", "batch_sizes", "strategies", "step_tokens"):
+        out[k] = [x for p in parts for x in p[k]]
+    out["wall_time_s"] = max(p["wall_time_s"] for p in parts)
+    out["mean_step_time_s"] = sum(out["step_times_s"]) / max(len(out["step_times_s"]), 1)
+    out["tokens_per_s"] = out["decode_tokens"] / out["wall_time_s"] if out["wall_time_s"] else 0.0
+    spec = [(t, b) for t, b, s in zip(out["step_tokens"], out["batch_sizes"], out["strategies"]) if s != "off"]
+    rows = sum(b for _, b in spec)
+    out["acceptance_length"] = sum(t for t, _ in spec) / rows if rows else None
+    return out
+
+
+def drafter_acceptance(stats: dict) -> float | None:
+    """Tokens per row per step over the steps whose strategy used the learned drafter (chain, tree)."""
+    from tlt.speculative.strategy import Strategy
+
+    names = {s for s in stats.get("strategies", []) if s != "off"}
+    learned = {s for s in names if Strategy.parse(s).uses_drafter}
+    spec = [(t, b) for t, b, s in zip(stats.get("step_tokens", []), stats.get("batch_sizes", []),
+                                      stats.get("strategies", [])) if s in learned]
+    rows = sum(b for _, b in spec)
+    return sum(t for t, _ in spec) / rows if rows else None
+
+
+# --- the Ray pool ----------------------------------------------------------------------------------
+def start_ray(address: str | None, cpus: int | None = None) -> None:
+    """Join `address`, or start a local cluster (dashboard off, loopback only) once per process."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only local cluster needs no token
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=cpus or os.cpu_count() or 1, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, configure_logging=False)
+
+
+class RayPool:
+    def __init__(self, specs: Sequence[WorkerSpec], address: str | None = None, cpus_per_worker: float = 1,
+                 gpus_per_worker: float = 0, log: Callable[[str], None] = print) -> None:
+        import ray
+
+        start_ray(address, cpus=max(len(specs), os.cpu_count() or 1) if address is None else None)
+        self.ray, self.log = ray, log
+        self.specs = list(specs)
+        self._actor_class = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0,
+                                       concurrency_groups={"control": 1})(RolloutWorker)
+        self.actors = [self._spawn(s) for s in self.specs]
+        ray.get([a.ping.remote() for a in self.actors])
+        self.policy: tuple[object, int] | None = None  # (object ref of the state, version)
+        self.drafter: tuple[object, int] | None = None
+        self.tuners: list[dict | None] = [None] * len(self.specs)
+        self.restarts = 0
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def _spawn(self, spec: WorkerSpec):
+        return self._actor_class.remote(spec)
+
+    def restart(self, w: int):
+        """Replace worker w with a fresh actor at the current policy, drafter and tuner state."""
+        self.specs[w] = replace(self.specs[w], incarnation=self.specs[w].incarnation + 1)
+        actor = self._spawn(self.specs[w])
+        calls = []
+        if self.policy is not None:
+            calls.append(actor.load_weights.remote(*self.policy))
+        if self.drafter is not None:
+            calls.append(actor.load_drafter.remote(*self.drafter))
+        calls.append(actor.load_tuner_state.remote(self.tuners[w]))
+        self.ray.get(calls)
+        self.actors[w] = actor
+        self.restarts += 1
+        return actor
+
+    def load_weights(self, state: dict, version: int) -> None:
+        ref = self.ray.put({k: v.detach().cpu() for k, v in state.items()})
+        self.policy = (ref, version)
+        self.ray.get([a.load_weights.remote(ref, version) for a in self.actors])
+
+    def load_drafter(self, state: dict, version: int) -> None:
+        ref = self.ray.put(state)
+        self.drafter = (ref, version)
+        self.ray.get([a.load_drafter.remote(ref, version) for a in self.actors])
+
+    def collect_tuners(self) -> list[dict | None]:
+        self.tuners = self.ray.get([a.tuner_state.remote() for a in self.actors])
+        return self.tuners
+
+    def load_tuners(self, states: Sequence[dict | None]) -> None:
+        if len(states) != len(self.actors):
+            raise ConfigError(f"tuner states for {len(states)} workers, the pool has {len(self.actors)}")
+        self.tuners = list(states)
+        self.ray.get([a.load_tuner_state.remote(s) for a, s in zip(self.actors, states)])
+
+    def close(self) -> None:
+        for a in self.actors:
+            self.ray.kill(a)
+        self.actors = []
