@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 
 def tiny(model_dir, dataset, **overrides) -> TrainConfig:
-    fields = dict(model=str(model_dir), dataset=str(dataset), speculative="off", drafter=None, steps=2,
+    fields = dict(model=str(model_dir), dataset=str(dataset), speculative="off", drafter=None, workers=1, steps=2,
                   prompts_per_step=2, group_size=4, max_response_tokens=8, eval_every=2, eval_problems=2,
                   eval_samples=2, save_every=0, lr=1e-2)
     fields.update(overrides)

@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(root / "model")
     CharTokenizer().save_pretrained(root / "model")
-    common = dict(model=str(root / "model"), drafter=None, reward="reward_fixtures:digit_fraction", train_problems=32,
+    common = dict(model=str(root / "model"), drafter=None, workers=1, reward="reward_fixtures:digit_fraction", train_problems=32,
                   prompts_per_step=4, group_size=4, max_response_tokens=16, eval_problems=4, eval_samples=2,
                   eval_every=1, save_every=0, lr=1e-2, steps=2)
     train(TrainConfig(speculative="on", strategy="ngram-d4", **common), root / "on", log=lambda *_: None)

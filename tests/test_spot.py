@@ -95,13 +95,20 @@ def test_schedule_modes():
     acc = Schedule(small(when="acceptance", fraction=0.9))
     assert acc.due(0, 10)  # nothing measured yet
     acc.observe(3.0)
-    assert not acc.due(1, 10)
+    assert acc.due(1, 10)  # a first best: still learning
+    acc.observe(3.05)
+    assert not acc.due(2, 10)  # within 2% of the best: converged
     acc.observe(2.8)
-    assert not acc.due(2, 10)
-    acc.observe(2.6)  # below 0.9 x 3.0
-    assert acc.due(3, 10)
-    acc.observe(None)  # no drafter step ran: keeps the last measurement
+    assert not acc.due(3, 10)
+    acc.observe(2.6)  # below 0.9 x 3.05: the policy moved away
     assert acc.due(4, 10)
+    acc.observe(None)  # no drafter step ran: keeps the last measurement
+    assert acc.due(5, 10)
+    acc.observe(3.5)  # the phase helped a lot: keep training
+    assert acc.due(6, 10)
+    restored = Schedule(small(when="acceptance"))
+    restored.load_state_dict(acc.state_dict())
+    assert restored.due(7, 10) and restored.best == 3.5
     assert not Schedule(small(when="off")).due(0, 10**6)
     with pytest.raises(ConfigError, match="when"):
         SpotConfig(when="sometimes")

@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 
 def config(model_dir, **overrides):
-    fields = dict(model=str(model_dir), drafter=None, speculative="off", reward="reward_fixtures:digit_fraction",
+    fields = dict(model=str(model_dir), drafter=None, speculative="off", workers=1, reward="reward_fixtures:digit_fraction",
                   train_problems=64, prompts_per_step=4, group_size=4, max_response_tokens=12, eval_problems=4,
                   eval_samples=2, eval_every=0, save_every=0, lr=1e-2, steps=3)
     fields.update(overrides)
@@ -173,7 +173,7 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "bad"), "promts_per_step=4"]) == 2
     assert "promts_per_step" in capsys.readouterr().err
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
-    args = [f"model={model_dir}", "drafter=none", "speculative=off", "reward=reward_fixtures:digit_fraction",
+    args = [f"model={model_dir}", "drafter=none", "speculative=off", "workers=1", "reward=reward_fixtures:digit_fraction",
             "train_problems=16", "prompts_per_step=2", "group_size=2", "max_response_tokens=6", "eval_every=0",
             "save_every=1", "steps=1"]
     assert main(["train", "--out", str(tmp_path / "run"), *args]) == 0

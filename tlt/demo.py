@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("off", "tlt"):
         shutil.rmtree(out / name, ignore_errors=True)
     print("tlt demo: a short GRPO run, speculation off and tlt side by side")
-    result = compare(config, "adaptive", out)
+    result = compare(config, "adaptive", out, runs=("off", "tlt"))
     print("\ntlt run, step by step:")
     print(table_header())
     for row in read_metrics(out / "tlt" / "metrics.jsonl"):

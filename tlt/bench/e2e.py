@@ -1,12 +1,23 @@
 """End to end: the same GRPO run with speculation off and with tlt, step by step, side by side.
 
-Two trainers with the same config and seed but `speculative` (off vs adaptive with the default
-drafter) run in one process and alternate step by step, so machine noise hits both alike. Each step's
-time is split by stage (rollout / reward / logprob / update / sync / drafter); eval time is excluded
-from step time. Ratios are off time / tlt time (> 1: tlt is faster): `ratios.speedup` over the whole
-run and the median of per-step ratios, and the same for rollout alone. Because speculation is lossless,
-both runs should learn alike; both reward and eval-accuracy curves go into the JSON (and a PNG), and
-`accuracy_gain` is the tlt run's eval accuracy at the end minus at the start, in points.
+Trainers with the same config and seed but `speculative` (off vs adaptive) run in one process and
+alternate step by step, so machine noise hits them alike. Each step's time is split by stage (rollout
+/ reward / logprob / update / sync / drafter); eval time is excluded from step time. Ratios are off
+time / tlt time (> 1: tlt is faster): `ratios.speedup` over the whole run and the median of per-step
+ratios, and the same for rollout alone. Because speculation is lossless, the runs should learn alike;
+reward and eval-accuracy curves go into the JSON (and a PNG), and `accuracy_gain` is the tlt run's
+eval accuracy at the end minus at the start, in points.
+
+With drafter training on (the default when the tlt run has a learned drafter), a third run "frozen"
+is the tlt run with the drafter kept as it started (drafter_train=off). It gives the two figures of
+the adaptive drafter:
+  - `ratios.acceptance_adaptive_vs_frozen`: the learned drafter's acceptance length (tokens per row per
+    step of chain and tree steps) in the tlt run over the frozen run's, mean of the last 5 steps;
+  - `ratios.drafter_overhead`: tlt step time over frozen step time (1.0: training fit in idle time).
+`cold_start` compares, step by step, the acceptance of the learned drafter's chain-d4 arm with the
+n-gram drafter's ngram-d4 arm (same depth) in the tlt run, and names the step from which the learned
+drafter stays ahead: the point where a drafter started from random weights overtakes the model-free
+one.
 """
 
 from __future__ import annotations
@@ -22,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of TrainConfig fields shared by both runs")
     parser.add_argument("--tlt", default="adaptive", help="speculative mode of the tlt run (adaptive or on)")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--workers", type=int, help="rollout workers (Ray when > 1; default: the config's)")
+    parser.add_argument("--drafter", help="the tlt runs' starting drafter: a folder, default, references "
+                                          "(trained on reference solutions), random (cold start)")
+    parser.add_argument("--runs", default="off,tlt,frozen", help="which runs: off, tlt, frozen (comma-separated)")
     parser.add_argument("--json", help="write config, per-step rows, curves and ratios here")
     parser.add_argument("--out", default="runs/bench/e2e", help="folder for the runs and the plot")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields shared by both runs")
@@ -36,27 +51,39 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = build(TrainConfig, args.config, [*args.overrides, f"steps={args.steps}"])
-    result = compare(base, args.tlt, Path(args.out))
+    extra = [f"steps={args.steps}"] + ([f"workers={args.workers}"] if args.workers else []) + \
+        ([f"drafter={args.drafter}"] if args.drafter else [])
+    base = build(TrainConfig, args.config, [*args.overrides, *extra])
+    result = compare(base, args.tlt, Path(args.out), runs=tuple(args.runs.split(",")))
     if args.json:
         atomic_write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
 
 
-def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print) -> dict:
-    """Run `base` with speculation off and with `tlt_mode`, alternating step by step; returns the result
-    dict (ratios, breakdown, curves). With `out`, each run's config.json and metrics.jsonl go to
-    out/off and out/tlt (the layout `tlt report` reads) and the comparison plot to out/e2e.png."""
+def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print,
+            runs: tuple[str, ...] = ("off", "tlt", "frozen")) -> dict:
+    """Run `base` with speculation off, with `tlt_mode` and (when the drafter trains) with the drafter
+    frozen, alternating step by step; returns the result dict (ratios, breakdown, curves). With `out`,
+    each run's config.json and metrics.jsonl go to out/<run> (the layout `tlt report` reads) and the
+    comparison plot to out/e2e.png."""
     import dataclasses
 
     from tlt.config import to_dict
+    from tlt.errors import ConfigError
     from tlt.io import atomic_write_json
     from tlt.rl.metrics import MetricsLog
     from tlt.rl.trainer import GRPOTrainer
 
     steps = base.steps
-    configs = {"off": dataclasses.replace(base, speculative="off"), "tlt": dataclasses.replace(base, speculative=tlt_mode)}
+    unknown = set(runs) - {"off", "tlt", "frozen"}
+    if unknown or "tlt" not in runs:
+        raise ConfigError(f"--runs must include tlt and name only off, tlt, frozen; got {','.join(runs)}")
+    trains = base.drafter_train != "off" and base.drafter is not None
+    all_configs = {"off": dataclasses.replace(base, speculative="off"),
+                   "tlt": dataclasses.replace(base, speculative=tlt_mode),
+                   "frozen": dataclasses.replace(base, speculative=tlt_mode, drafter_train="off")}
+    configs = {name: all_configs[name] for name in runs if name != "frozen" or trains}
     trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
     logs = {}
     for name, c in configs.items():
@@ -80,10 +107,12 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
                 evals[name].append({"step": step, **trainer.evaluate()})
                 row = {**row, **evals[name][-1]}
             logs[name].write(row)
-        off, on = rows["off"][-1], rows["tlt"][-1]
-        log(f"step {step:3d}  off {off['time_step_s']:6.2f}s  tlt {on['time_step_s']:6.2f}s  "
-            f"ratio {off['time_step_s'] / on['time_step_s']:5.2f}  reward off {off['reward']:.3f} tlt {on['reward']:.3f}"
-            f"  accept {on['acceptance_length'] or 0:.2f}")
+        parts = "  ".join(f"{name} {rows[name][-1]['time_step_s']:6.2f}s reward {rows[name][-1]['reward']:.3f}"
+                          for name in rows)
+        on = rows["tlt"][-1]
+        log(f"step {step:3d}  {parts}  accept tlt {on['acceptance_length'] or 0:.2f}"
+            f" (drafter {on['drafter_acceptance_length'] or 0:.2f})"
+            + (f" frozen {rows['frozen'][-1]['drafter_acceptance_length'] or 0:.2f}" if "frozen" in rows else ""))
     for name, trainer in trainers.items():
         trainer.close()
         logs[name].close()
@@ -92,37 +121,92 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
         return sum(r[key] for r in rows[name])
 
     stages = ("rollout", "reward", "logprob", "update", "sync", "drafter")
-    ratios = {
-        "speedup": total("off", "time_step_s") / total("tlt", "time_step_s"),
-        "speedup_median_step": statistics.median(a["time_step_s"] / b["time_step_s"]
-                                                 for a, b in zip(rows["off"], rows["tlt"])),
-        "rollout_speedup": total("off", "time_rollout_s") / total("tlt", "time_rollout_s"),
-        "rollout_share_off": total("off", "time_rollout_s") / total("off", "time_step_s"),
-    }
+    ratios = {}
+    if "off" in rows:
+        ratios.update({
+            "speedup": total("off", "time_step_s") / total("tlt", "time_step_s"),
+            "speedup_median_step": statistics.median(a["time_step_s"] / b["time_step_s"]
+                                                     for a, b in zip(rows["off"], rows["tlt"])),
+            "rollout_speedup": total("off", "time_rollout_s") / total("tlt", "time_rollout_s"),
+            "rollout_share_off": total("off", "time_rollout_s") / total("off", "time_step_s"),
+        })
+    if "frozen" in rows:
+        ratios.update(alignment(rows["tlt"], rows["frozen"]))
     first, last = evals["tlt"][0]["eval_accuracy"], evals["tlt"][-1]["eval_accuracy"]
     result = {
-        "config": to_dict(base), "tlt_mode": tlt_mode, "steps": steps,
+        "config": to_dict(base), "tlt_mode": tlt_mode, "steps": steps, "runs": list(rows),
         "ratios": ratios,
         "accuracy_gain": 100.0 * (last - first),
-        "accuracy_gain_off": 100.0 * (evals["off"][-1]["eval_accuracy"] - evals["off"][0]["eval_accuracy"]),
         "breakdown_s": {name: {s: total(name, f"time_{s}_s") for s in stages} for name in rows},
         "curves": {name: {"reward": [r["reward"] for r in rows[name]], "eval": evals[name],
                           "step_time_s": [r["time_step_s"] for r in rows[name]],
-                          "acceptance_length": [r["acceptance_length"] for r in rows[name]]} for name in rows},
+                          "acceptance_length": [r["acceptance_length"] for r in rows[name]],
+                          "drafter_acceptance_length": [r["drafter_acceptance_length"] for r in rows[name]],
+                          "acceptance_by_strategy": [r["acceptance_by_strategy"] for r in rows[name]],
+                          "drafter_version": [r.get("drafter_version") for r in rows[name]],
+                          "drafter_phase_steps": [r.get("drafter_phase_steps") for r in rows[name]],
+                          "drafter_stop_latency_s": [r.get("drafter_stop_latency_s") for r in rows[name]]}
+                   for name in rows},
+        "cold_start": cold_start(rows["tlt"]),
         "wall_s": time.perf_counter() - start,
     }
-    log(f"speed-up (off time / tlt time): whole run {ratios['speedup']:.2f}, median step "
-        f"{ratios['speedup_median_step']:.2f}, rollout {ratios['rollout_speedup']:.2f}; "
-        f"rollout share of step time (off) {ratios['rollout_share_off']:.0%}")
+    if "off" in rows:
+        result["accuracy_gain_off"] = 100.0 * (evals["off"][-1]["eval_accuracy"] - evals["off"][0]["eval_accuracy"])
+        log(f"speed-up (off time / tlt time): whole run {ratios['speedup']:.2f}, median step "
+            f"{ratios['speedup_median_step']:.2f}, rollout {ratios['rollout_speedup']:.2f}; "
+            f"rollout share of step time (off) {ratios['rollout_share_off']:.0%}")
+    if "frozen" in rows:
+        log(f"adaptive vs frozen drafter: acceptance {ratios['acceptance_adaptive_vs_frozen']:.2f}x (last 5 steps), "
+            f"step time {ratios['drafter_overhead']:.3f}x (median step {ratios['drafter_overhead_median_step']:.3f}x)")
+    if result["cold_start"]["overtake_step"] is not None:
+        log(f"learned drafter (chain-d4) ahead of the n-gram drafter (ngram-d4) from step "
+            f"{result['cold_start']['overtake_step']}")
     for name in rows:
         parts = "  ".join(f"{s} {result['breakdown_s'][name][s]:.1f}s" for s in stages)
-        log(f"  {name:>3}: {parts}")
-    log(f"eval accuracy: off {evals['off'][0]['eval_accuracy']:.3f} -> {evals['off'][-1]['eval_accuracy']:.3f}, "
-        f"tlt {first:.3f} -> {last:.3f} ({result['accuracy_gain']:+.1f} points)")
+        log(f"  {name:>6}: {parts}")
+    log("eval accuracy: " + ", ".join(f"{name} {evals[name][0]['eval_accuracy']:.3f} -> {evals[name][-1]['eval_accuracy']:.3f}"
+                                      for name in rows))
     if out is not None:
         _plot(result, out / "e2e.png")
         log(f"wrote {out / 'e2e.png'}")
     return result
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def alignment(tlt_rows: list[dict], frozen_rows: list[dict], last: int = 5) -> dict:
+    """Acceptance of the learned drafter, adaptive over frozen (last `last` steps and last step), and the
+    step-time overhead of training it (total and median per-step ratio)."""
+    ours = _mean(r["drafter_acceptance_length"] for r in tlt_rows[-last:])
+    theirs = _mean(r["drafter_acceptance_length"] for r in frozen_rows[-last:])
+    final = (tlt_rows[-1]["drafter_acceptance_length"], frozen_rows[-1]["drafter_acceptance_length"])
+    return {
+        "acceptance_adaptive_vs_frozen": ours / theirs if ours and theirs else None,
+        "acceptance_adaptive_vs_frozen_last_step": final[0] / final[1] if all(final) else None,
+        "acceptance_adaptive_last5": ours, "acceptance_frozen_last5": theirs,
+        "drafter_overhead": sum(r["time_step_s"] for r in tlt_rows) / sum(r["time_step_s"] for r in frozen_rows),
+        "drafter_overhead_median_step": statistics.median(a["time_step_s"] / b["time_step_s"]
+                                                          for a, b in zip(tlt_rows, frozen_rows)),
+    }
+
+
+def cold_start(rows: list[dict], learned: str = "chain-d4", ngram: str = "ngram-d4") -> dict:
+    """Per step, the acceptance of the learned drafter's `learned` arm and the n-gram `ngram` arm (same
+    depth); `overtake_step` is the first step from which the learned arm is ahead in every later step
+    where both ran (None: it never is)."""
+    pairs = [(i + 1, r["acceptance_by_strategy"].get(learned), r["acceptance_by_strategy"].get(ngram))
+             for i, r in enumerate(rows)]
+    both = [(s, a, b) for s, a, b in pairs if a is not None and b is not None]
+    overtake = None
+    for j, (s, _, _) in enumerate(both):
+        if all(a > b for _, a, b in both[j:]):
+            overtake = s
+            break
+    return {"learned_arm": learned, "ngram_arm": ngram, "learned": [a for _, a, _ in pairs],
+            "ngram": [b for _, _, b in pairs], "overtake_step": overtake}
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -135,19 +219,35 @@ def _plot(result: dict, path: Path) -> None:
 
     from tlt.io import atomic_write_bytes
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, style in (("off", "-"), ("tlt", "--")):
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.2))
+    for name, style in (("off", "-"), ("tlt", "--"), ("frozen", ":")):
+        if name not in result["curves"]:
+            continue
         curve = result["curves"][name]
         steps = range(1, len(curve["reward"]) + 1)
         left.plot(steps, curve["reward"], style, label=f"{name}: train reward")
         left.plot([e["step"] for e in curve["eval"]], [e["eval_accuracy"] for e in curve["eval"]], style,
                   marker="o", label=f"{name}: eval accuracy")
-        right.plot(steps, curve["step_time_s"], style, label=name)
-    left.set(xlabel="RL step", ylabel="reward / accuracy", title="Learning: speculation off vs tlt")
-    right.set(xlabel="RL step", ylabel="step time (s)",
-              title=f"Step time (speed-up {result['ratios']['speedup']:.2f}x)")
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
+        middle.plot(steps, curve["step_time_s"], style, label=name)
+        if name != "off":
+            right.plot(steps, [a if a is not None else float("nan") for a in curve["drafter_acceptance_length"]],
+                       style, label=f"{name}: learned drafter")
+    cold = result["cold_start"]
+    if any(v is not None for v in cold["ngram"]):
+        steps = range(1, len(cold["ngram"]) + 1)
+        right.plot(steps, [v if v is not None else float("nan") for v in cold["ngram"]], "-.", marker=".",
+                   label=f"tlt: {cold['ngram_arm']} (n-gram)")
+        right.plot(steps, [v if v is not None else float("nan") for v in cold["learned"]], "-.", marker="x",
+                   label=f"tlt: {cold['learned_arm']} (learned)")
+    speedup = result["ratios"].get("speedup")
+    left.set(xlabel="RL step", ylabel="reward / accuracy", title="Learning")
+    middle.set(xlabel="RL step", ylabel="step time (s)",
+               title="Step time" + (f" (speed-up {speedup:.2f}x)" if speedup else ""))
+    aligned = result["ratios"].get("acceptance_adaptive_vs_frozen")
+    right.set(xlabel="RL step", ylabel="acceptance length (tokens / step)",
+              title="Drafter acceptance" + (f" (adaptive / frozen {aligned:.2f}x)" if aligned else ""))
+    for ax in (left, middle, right):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=120)

@@ -37,6 +37,23 @@ class TrainConfig:
     speculative: str = "adaptive"  # off, on (one fixed `strategy`) or adaptive
     strategy: str | None = None
     max_batch_size: int = 256
+    # --- rollout workers and the adaptive drafter
+    workers: int = 0  # rollout workers: 0 = one per core (a local Ray cluster), 1 = in-process
+    ray_address: str | None = None  # join this Ray cluster instead of starting a local one
+    worker_threads: int = 0  # torch threads per worker (0: cores // workers, at least 1)
+    worker_gpus: float = 0.0  # GPUs each Ray worker asks for (multi-node GPU clusters)
+    drafter_train: str = "acceptance"  # off, every, every-N or acceptance (below a fraction of its best)
+    drafter_train_every: int = 10  # for every-N
+    drafter_train_fraction: float = 0.9  # for acceptance
+    drafter_min_pairs: int = 2048  # buffered pairs before the first phase
+    drafter_lr: float = 3e-4
+    drafter_batch_tokens: int = 2048
+    drafter_window: int = 256
+    drafter_max_steps: int = 0  # optimizer steps per spot phase at most (0: until rollout ends)
+    drafter_local_steps: int = 8  # optimizer steps per phase in-process (workers=1: on the critical path)
+    drafter_buffer_mb: int = 256
+    drafter_buffer_steps: int = 2  # policy versions the online buffer keeps
+    drafter_fault: str | None = None  # drill: "W:K:N" kills worker W N engine steps into its K-th rollout
     # --- loss
     normalize_std: bool = True
     clip_low: float = 0.2
@@ -60,6 +77,7 @@ class TrainConfig:
     micro_batch_tokens: int = 4096  # tokens per micro-batch of rows (gradient accumulation over them)
     dtype: str = "float32"  # float32 or bfloat16 (autocast) for the trainer's forward; measure: on CPUs
     # without bf16 matrix units autocast is slower than float32
+    trainer_processes: int = 1  # > 1: the update runs data-parallel over this many processes (tlt.rl.distributed)
     # --- run
     steps: int = 60
     seed: int = 0
@@ -77,12 +95,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         positive = ("train_problems", "prompts_per_step", "group_size", "max_response_tokens", "max_batch_size",
                     "mini_batches", "row_tokens", "micro_batch_tokens", "steps", "eval_problems", "eval_samples",
-                    "keep_checkpoints")
+                    "keep_checkpoints", "trainer_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"field {name!r} must be an integer >= 1, got {value!r}")
-        for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "threads"):
+        for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "threads", "workers",
+                     "worker_threads", "drafter_train_every", "drafter_min_pairs", "drafter_max_steps",
+                     "drafter_local_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"field {name!r} must be an integer >= 0, got {value!r}")
@@ -104,7 +124,34 @@ class TrainConfig:
             raise ConfigError(f"field 'wandb_project' must be a non-empty name, got {self.wandb_project!r}")
         if self.speculative == "on" and not self.strategy:
             raise ConfigError("field 'strategy' is needed when speculative=on (e.g. tree-d6-k2-v16 or ngram-d4)")
+        if self.drafter_fault is not None:
+            self.fault()
+        self.spot()  # validates the drafter-training fields
         self.loss()  # validates the loss fields
+
+    def spot(self):
+        from tlt.spot.trainer import SpotConfig
+
+        try:
+            return SpotConfig(when=self.drafter_train, every=self.drafter_train_every,
+                              fraction=self.drafter_train_fraction, min_pairs=self.drafter_min_pairs,
+                              lr=self.drafter_lr, batch_tokens=self.drafter_batch_tokens, rows=4,
+                              window=self.drafter_window, max_steps=self.drafter_max_steps,
+                              buffer_mb=self.drafter_buffer_mb, buffer_versions=self.drafter_buffer_steps,
+                              seed=self.seed)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (set through the TrainConfig fields drafter_*)") from None
+
+    def fault(self) -> dict | None:
+        """The drill of `drafter_fault` "W:K:N" as (worker, {"rollout": K, "after_steps": N})."""
+        if self.drafter_fault is None:
+            return None
+        try:
+            w, k, n = (int(x) for x in self.drafter_fault.split(":"))
+        except ValueError:
+            raise ConfigError(f"field 'drafter_fault' must be W:K:N (worker, rollout, engine steps), "
+                              f"got {self.drafter_fault!r}") from None
+        return {"worker": w, "rollout": k, "after_steps": n}
 
     def loss(self):
         from tlt.rl.grpo import LossConfig

@@ -46,6 +46,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             tuner_file = folder / "tuner.json"
             tuner = json.loads(tuner_file.read_text()) if tuner_file.exists() else None
             trainer.load_state_dict(load_state(folder), read_tensors(folder / "policy"), tuner)
+            if (folder / "drafter").is_dir():
+                trainer.load_drafter_checkpoint(folder / "drafter")
             log(f"resumed {run_dir} from {folder.name} (step {trainer.step})")
         keep_until = trainer.step
     metrics = MetricsLog(run_dir, c.tensorboard, keep_until=keep_until,
@@ -66,9 +68,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             metrics.write(row)
             log(table_row(row))
             if c.save_every and (trainer.step % c.save_every == 0 or trainer.step == c.steps):
-                tuner = trainer.engine.tuner.state_dict() if trainer.engine.tuner is not None else None
                 save_checkpoint(run_dir, trainer.step, trainer.policy, trainer.tokenizer, trainer.state_dict(),
-                                tuner, keep=c.keep_checkpoints)
+                                trainer.rollout_state(), drafter=trainer.drafter_snapshot(), keep=c.keep_checkpoints)
             done += 1
     finally:
         metrics.close()

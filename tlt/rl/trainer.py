@@ -9,7 +9,8 @@
   - update: `mini_batches` optimizer steps, each over packed micro-batches with gradient accumulation,
     on the clipped surrogate (plus k3 KL to a frozen reference and an entropy bonus when asked). The
     old log-probs are the engine's or recomputed by the trainer; both use the same warping as sampling,
-    so the importance ratio starts at 1.
+    so the importance ratio starts at 1 (update.py). With `trainer_processes` > 1 it runs
+    data-parallel over that many processes, this one rank 0 (distributed.py).
   - sync: the updated weights go into the engine with the next version number.
 The trainer owns its policy copy in training mode; the engine owns an inference copy, as a remote
 rollout worker would. Every step's time is split by stage, which is the point of tlt: the figure that
@@ -31,8 +32,10 @@ import torch
 from tlt.data import Example
 from tlt.errors import CheckpointError, ConfigError, TrainingError
 from tlt.rl.config import TrainConfig
+from tlt.rl.distributed import Replicas
 from tlt.rl.episode import Episode, MicroBatch, pack
-from tlt.rl.grpo import entropy, group_advantages, policy_loss, token_weights, zero_variance_groups
+from tlt.rl.grpo import group_advantages, zero_variance_groups
+from tlt.rl.update import Diverged, Sample, build_optimizer, token_logprobs, update_policy
 
 
 def stream_seed(*parts: object) -> int:
@@ -45,7 +48,6 @@ class GRPOTrainer:
     def __init__(self, config: TrainConfig, run_dir: str | Path | None = None, log=print) -> None:
         from tlt.model import load_model
         from tlt.rewards.runner import RewardRunner
-        from tlt.rollout import EngineConfig, RolloutEngine
         from tlt.tokenizer import load_tokenizer
 
         c = self.config = config
@@ -57,25 +59,72 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(c.model)
         self.policy = load_model(c.model).train()
         self.reference = load_model(c.model).eval().requires_grad_(False) if c.kl_coef > 0 else None
+        self.rollout_backend = self._make_rollout()
+        self.engine = getattr(self.rollout_backend, "engine", None)  # the in-process engine (workers=1)
+        self.optimizer = build_optimizer(self.policy, c)
+        self.reward = RewardRunner(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
+        self.train_examples, self.eval_examples = self._load_data()
+        self.step = 0  # optimizer updates done = the policy version the engine must hold
+        self._orders: dict[int, list[int]] = {}
+        self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
+        # Last, so that nothing after the helpers start can fail and leave them running.
+        self.replicas = Replicas(c, self.policy, self.optimizer) if c.trainer_processes > 1 else None
+
+    def _make_rollout(self):
+        """The in-process engine (workers=1) or a pool of Ray workers, with online drafter training when
+        a learned drafter is in use and `drafter_train` is not off."""
+        import os
+
+        from tlt.model import load_model
+        from tlt.rollout import EngineConfig, RolloutEngine
+        from tlt.spot.rollout import DrafterLearning, LocalRollout, PooledRollout
+
+        c, log = self.config, self.log
         drafter = c.drafter if c.speculative != "off" else None
         if drafter == "auto":
             drafter = "default" if c.model == "default" else None
             if drafter is None:
                 log(f"drafter=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
-                    "(train one with tlt train-drafter and pass drafter=DIR)")
-        self.engine = RolloutEngine(load_model(c.model), self.tokenizer, EngineConfig(
-            max_batch_size=c.max_batch_size, seed=c.seed, progress=c.progress, speculative=c.speculative,
-            strategy=c.strategy, drafter=drafter))
-        decay = [p for p in self.policy.parameters() if p.dim() >= 2]
-        other = [p for p in self.policy.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": c.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=c.lr, betas=(c.beta1, c.beta2))
-        self.reward = RewardRunner(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
-        self.train_examples, self.eval_examples = self._load_data()
-        self.step = 0  # optimizer updates done = the policy version the engine must hold
-        self._orders: dict[int, list[int]] = {}
-        self.engine.load_weights(self.policy.state_dict(), self.step)
+                    "(train one with tlt train-drafter and pass drafter=DIR, or drafter=random to learn one "
+                    "online from scratch)")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = c.workers or cores
+        engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
+                             strategy=c.strategy)
+        learning = None
+        if drafter is not None and c.drafter_train != "off":
+            from tlt.speculative.drafter import Drafter, DrafterConfig
+
+            if drafter == "random":
+                drafter_config = DrafterConfig.for_target(self.policy)
+            else:
+                drafter_config = Drafter.load(drafter, self.policy).config
+            root = self.run_dir / "drafter" if self.run_dir is not None else None
+            learning = DrafterLearning(c.spot(), drafter_config, root, log)
+        if workers == 1:
+            model = load_model(c.model)
+            if drafter == "random":
+                from tlt.speculative.drafter import Drafter
+
+                drafter = Drafter.from_target(model, seed=c.seed).eval()
+            engine = RolloutEngine(model, self.tokenizer, EngineConfig(**engine_fields, progress=c.progress,
+                                                                       drafter=drafter))
+            return LocalRollout(engine, learning, c.drafter_local_steps)
+        from tlt.spot.workers import RayPool, WorkerSpec
+
+        threads = c.worker_threads or max(1, (c.threads or cores) // workers)
+        fault = c.fault()
+        specs = [WorkerSpec(c.model, {**engine_fields, "seed": c.seed + w}, drafter, threads, seed=c.seed,
+                            fault={k: v for k, v in fault.items() if k != "worker"}
+                            if fault is not None and fault["worker"] == w else None)
+                 for w in range(workers)]
+        # On a cluster each worker reserves a CPU so Ray spreads them over machines; on the local cluster
+        # threads are set here, and reserving none lets several pools (a benchmark's runs) coexist.
+        pool = RayPool(specs, c.ray_address, cpus_per_worker=1 if c.ray_address else 0,
+                       gpus_per_worker=c.worker_gpus, log=log)
+        log(f"rollout on {workers} Ray workers ({threads} thread(s) each)"
+            + (f", drafter trained on released workers ({c.drafter_train})" if learning is not None else ""))
+        return PooledRollout(pool, learning, log)
 
     # --- data ------------------------------------------------------------------------------------------
     def _load_data(self) -> tuple[list[Example], list[Example]]:
@@ -141,9 +190,28 @@ class GRPOTrainer:
             update = self.update(learn, old, ref) if learn else {"skipped_update": 1}
         with _timer(times, "sync"):
             self.step += 1
-            self.engine.load_weights(self.policy.state_dict(), self.step)
-        times["drafter"] = 0.0
-        return self._metrics(episodes, rollout_stats, update, times, int(flat.sum()) // self.config.group_size)
+            self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
+        with _timer(times, "drafter"):
+            phase = self.rollout_backend.finish_step(self.step - 1)
+        metrics = self._metrics(episodes, rollout_stats, update, times, int(flat.sum()) // self.config.group_size)
+        return {**metrics, **self._drafter_metrics(rollout_stats, phase)}
+
+    def _drafter_metrics(self, stats: dict, phase: dict) -> dict:
+        """The drafter's side of a step: acceptance of the learned drafter's steps, the spot phase (optimizer
+        steps, seconds, preemption latency, loss) and the workers' time split."""
+        from tlt.spot.workers import acceptance_by_strategy, drafter_acceptance
+
+        learning = getattr(self.rollout_backend, "learning", None)
+        out = {"drafter_acceptance_length": drafter_acceptance(stats),
+               "acceptance_by_strategy": acceptance_by_strategy(stats)}
+        if learning is not None:
+            out.update(drafter_version=learning.version, drafter_phase_steps=phase.get("steps", 0),
+                       drafter_phase_s=phase.get("seconds", 0.0), drafter_stop_latency_s=phase.get("stop_latency_s"),
+                       drafter_top1=phase.get("loss_top1"), drafter_buffer_pairs=learning.buffer.pairs,
+                       drafter_buffer_bytes=learning.buffer.nbytes)
+        if "workers" in stats:
+            out["workers"] = stats["workers"]
+        return out
 
     def rollout(self, examples: list[Example], step: int, greedy: bool = False, samples: int | None = None,
                 salt: str = "train") -> tuple[list[Episode], dict]:
@@ -158,14 +226,24 @@ class GRPOTrainer:
         params = [SamplingParams(n=samples or c.group_size, temperature=0.0 if greedy else c.temperature,
                                  top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_response_tokens,
                                  seed=stream_seed(salt, c.seed, step, j)) for j in range(len(examples))]
-        self.engine.reset_stats()
-        outputs = self.engine.generate(prompts, params, weights_version=self.step)
+        if salt == "train":
+            outputs, stats = self.rollout_backend.generate(prompts, params, self.step, step)
+        else:  # eval: the same engines, but no drafter learning from held-out prompts
+            outputs, stats = self._generate_plain(prompts, params)
         episodes = [
             Episode(j, ex, out.prompt_token_ids, comp.token_ids, comp.logprobs, comp.finish_reason,
                     self.tokenizer.decode(comp.token_ids), acceptance_length=comp.acceptance_length)
             for j, (ex, out) in enumerate(zip(examples, outputs)) for comp in out.outputs
         ]
-        return episodes, self.engine.stats()
+        return episodes, stats
+
+    def _generate_plain(self, prompts, params):
+        backend = self.rollout_backend
+        learning, backend.learning = backend.learning, None
+        try:
+            return backend.generate(prompts, params, self.step, -1)
+        finally:
+            backend.learning = learning
 
     def score(self, episodes: list[Episode]) -> None:
         keys = sorted({k for e in episodes for k in e.example.columns})
@@ -178,26 +256,10 @@ class GRPOTrainer:
             self.log(f"reward error (scored 0): {err}")
 
     # --- log-probs and the update ----------------------------------------------------------------------
-    def _autocast(self):
-        if self.config.dtype == "bfloat16":
-            return torch.autocast(self.policy.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def token_logprobs(self, model, batch: MicroBatch, with_entropy: bool = False):
         """(log-probs [N], entropies [N] or None) of a micro-batch's response tokens under `model`, with
         the same temperature / top-k / top-p warping the engine sampled with."""
-        from tlt.rollout.sampling import warp_logprobs
-
-        c = self.config
-        with self._autocast():
-            out = model(batch.input_ids, position_ids=batch.position_ids, logit_index=batch.logit_index)
-        logits = out.logits[batch.target_mask].float()  # [N, V]
-        n = len(logits)
-        logprobs = warp_logprobs(logits, torch.full((n,), c.temperature),
-                                 torch.full((n,), c.top_k, dtype=torch.long), torch.full((n,), c.top_p))  # [N, V]
-        tokens = batch.targets()  # [N]
-        picked = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
-        return picked, (entropy(logprobs) if with_entropy else None)
+        return token_logprobs(model, batch, self.config, with_entropy)
 
     def recomputed_logprobs(self, episodes: list[Episode]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Old log-probs recomputed by the trainer (when configured) and reference log-probs (with KL), per
@@ -227,58 +289,15 @@ class GRPOTrainer:
         return c.lr
 
     def update(self, episodes: list[Episode], old: dict, ref: dict) -> dict:
-        c, loss_config = self.config, self.config.loss()
-        groups = sorted({e.group for e in episodes})
-        slices = [set(s.tolist()) for s in np.array_split(np.array(groups), min(c.mini_batches, len(groups)))]
+        """The optimizer steps of one RL step (update.update_policy), over every trainer process."""
+        samples = [Sample.of(e, old, ref) for e in episodes]
         lr = self.learning_rate(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        totals = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-        first_dev = None
-        # A response with advantage 0 adds exactly nothing to the surrogate's gradient; unless KL or
-        # entropy terms touch it, it is left out of the forward but still counted in the normaliser,
-        # so the update is unchanged and the many all-equal groups cost no compute.
-        skip = c.skip_zero_advantage and loss_config.kl_coef == 0 and loss_config.entropy_coef == 0
-        self.policy.train()
-        ran = 0
-        for members in slices:
-            batch = [e for e in episodes if e.group in members]
-            n_tokens = sum(len(e.completion_ids) for e in batch)
-            active = [e for e in batch if e.advantage != 0.0] if skip else batch
-            self.optimizer.zero_grad(set_to_none=True)
-            seen, parts_sum = 0.0, {}
-            for mb in pack(active, c.row_tokens, c.micro_batch_tokens):
-                logp, ent = self.token_logprobs(self.policy, mb, with_entropy=True)
-                lengths = torch.tensor([len(e.completion_ids) for e in mb.episodes])
-                old_lp = torch.cat([old.get(id(e), torch.tensor(e.logprobs)) for e in mb.episodes])  # [N]
-                ref_lp = torch.cat([ref[id(e)] for e in mb.episodes]) if ref else None
-                adv = torch.tensor([e.advantage for e in mb.episodes]).repeat_interleave(lengths)  # [N]
-                weights = token_weights(lengths, c.aggregation, n_tokens, len(batch))  # [N]
-                loss, parts = policy_loss(logp, old_lp, adv, weights, loss_config, ref_lp, ent)
-                if not torch.isfinite(loss):
-                    raise TrainingError(self._diverged(f"the loss is {loss.item()}"))
-                if first_dev is None:
-                    first_dev = float((logp.detach() - old_lp).exp().sub(1).abs().max())
-                loss.backward()
-                totals["loss"] += loss.item() / len(slices)
-                seen += float(weights.sum())
-                for k, v in parts.items():
-                    parts_sum[k] = parts_sum.get(k, 0.0) + v.item()
-            # Diagnostics average over the responses that were run (all of them unless skipped).
-            for k, v in parts_sum.items():
-                totals[k] += v / seen / len(slices)
-            ran += len(active)
-            for p in self.policy.parameters():
-                if p.grad is None:  # nothing was run: the same Adam step as an all-zero gradient
-                    p.grad = torch.zeros_like(p)
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip)
-            if not torch.isfinite(norm):
-                raise TrainingError(self._diverged(f"the gradient norm is {norm.item()}"))
-            totals["grad_norm"] += norm.item() / len(slices)
-            self.optimizer.step()
-        if not ran:
-            totals.update(ratio=None, clip_fraction=None, kl=None, entropy=None)
-        return {**totals, "lr": lr, "ratio_first_max_dev": first_dev, "responses_in_update": ran}
+        try:
+            if self.replicas is None:
+                return update_policy(self.policy, self.optimizer, self.config, samples, lr)
+            return self.replicas.update(self.policy, self.optimizer, samples, lr)
+        except Diverged as exc:
+            raise TrainingError(self._diverged(str(exc))) from None
 
     def _diverged(self, what: str) -> str:
         where = f"; the last good checkpoint in {self.run_dir} is kept (resume with tlt train --resume {self.run_dir})" \
@@ -347,9 +366,11 @@ class GRPOTrainer:
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        learning = getattr(self.rollout_backend, "learning", None)
         return {"step": self.step, "data_position": self.step * self.config.prompts_per_step,
                 "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate()}
+                "python_rng": random.getstate(),
+                "drafter_schedule": learning.schedule.state_dict() if learning is not None else None}
 
     def load_state_dict(self, state: dict, policy_state: dict, tuner_state: dict | None = None) -> None:
         missing, unexpected = self.policy.load_state_dict(policy_state, strict=False)
@@ -358,15 +379,49 @@ class GRPOTrainer:
             raise CheckpointError(f"checkpoint policy does not match the model: missing {missing[:5]}, "
                                   f"unexpected {unexpected[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.replicas is not None:  # rank 0's state is the one saved; the helpers take it
+            self.replicas.sync(self.policy, self.optimizer)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        if tuner_state is not None and self.engine.tuner is not None:
-            self.engine.tuner.load_state_dict(tuner_state)
+        if tuner_state is not None:
+            self.rollout_backend.load_state(tuner_state if "tuners" in tuner_state else {"tuners": [tuner_state]})
+        learning = getattr(self.rollout_backend, "learning", None)
+        if learning is not None and state.get("drafter_schedule") is not None:
+            learning.schedule.load_state_dict(state["drafter_schedule"])
         self.step = int(state["step"])
-        self.engine.load_weights(self.policy.state_dict(), self.step)
+        self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
+
+    def drafter_snapshot(self):
+        """The drafter trainer's newest state as something `save_checkpoint` can save (None: none yet)."""
+        from tlt.spot.trainer import StateSnapshot
+
+        learning = getattr(self.rollout_backend, "learning", None)
+        if learning is None or learning.state is None:
+            return None
+        return StateSnapshot(learning.state, learning.drafter_config, {"rl_step": self.step})
+
+    def load_drafter_checkpoint(self, folder: Path) -> None:
+        """Restore the drafter trainer's state saved with a run checkpoint; every worker gets the drafter
+        at its next rollout."""
+        from tlt.spot.trainer import read_state
+
+        learning = getattr(self.rollout_backend, "learning", None)
+        if learning is None:
+            self.log(f"{folder}: the run is resumed without drafter training; its trained drafter is not loaded")
+            return
+        learning.state = read_state(folder)
+        if self.engine is not None:
+            self.engine.load_drafter(learning.state["drafter"], learning.version)
+
+    def rollout_state(self) -> dict:
+        """The rollout side's state for a checkpoint: every worker's tuner."""
+        return self.rollout_backend.state()
 
     def close(self) -> None:
         self.reward.close()
+        self.rollout_backend.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
 
 def _spans(episodes: list[Episode]) -> list[tuple[int, int]]:

@@ -200,4 +200,7 @@ class Drafter(nn.Module):
         return drafter.eval()
 
 
-BUILTIN_DRAFTERS = {"default": Path(__file__).resolve().parent.parent / "assets" / "default" / "drafter"}
+# "default": trained on the default model's own samples; "references": the same recipe on the task's
+# reference solutions, text the model did not write (the starting point of the drafter-alignment benchmark).
+BUILTIN_DRAFTERS = {"default": Path(__file__).resolve().parent.parent / "assets" / "default" / "drafter",
+                    "references": Path(__file__).resolve().parent.parent / "assets" / "default" / "drafter-references"}

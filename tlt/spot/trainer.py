@@ -7,9 +7,12 @@ a phase on top. The state that moves between workers (`state_dict`) is the draft
 weights, the optimizer state and the counters: the target's embedding and head are never part of it.
 
 When to train (`Schedule`): "every" RL step, "every-N" (`every` steps apart), or "acceptance" (the
-default): whenever the acceptance length measured in the last rollout falls below `fraction` of the
-best seen under the current policy's lineage, or no acceptance has been measured yet. The first phase
-waits until the buffer holds `min_pairs` pairs.
+default), which trains while the drafter is behind or still learning: when no acceptance length has
+been measured yet, when the last one fell below `fraction` of the best seen (the policy moved away from
+the drafter), or when the last one beat the previous best by more than 2% (the last phase helped, so
+the drafter has not converged: a cold-started drafter keeps training until it plateaus). A converged
+drafter under a slowly moving policy trains only when its acceptance drops. The first phase waits
+until the buffer holds `min_pairs` pairs.
 
 Checkpoints (`DrafterCheckpointer`): a snapshot of the state is taken at once (a copy of a few MB) and
 written by a background thread into a hidden temporary folder, which is renamed into place before
@@ -86,6 +89,9 @@ class SpotConfig:
                                   token_weight=self.token_weight, grad_clip=self.grad_clip)
 
 
+IMPROVEMENT = 0.02  # a new best by more than this fraction means the drafter is still learning
+
+
 class Schedule:
     """Decides, per RL step, whether released workers train the drafter (see the module docstring)."""
 
@@ -93,10 +99,12 @@ class Schedule:
         self.config = config
         self.best: float | None = None
         self.last: float | None = None
+        self.improving = True
 
     def observe(self, acceptance: float | None) -> None:
         """The acceptance length of the rollout that just ended (None: no drafter step ran)."""
         if acceptance is not None and math.isfinite(acceptance):
+            self.improving = self.best is None or acceptance > self.best * (1 + IMPROVEMENT)
             self.last = acceptance
             self.best = acceptance if self.best is None else max(self.best, acceptance)
 
@@ -108,13 +116,13 @@ class Schedule:
             return True
         if c.when == "every-N":
             return step % c.every == 0
-        return self.last is None or self.best is None or self.last < c.fraction * self.best
+        return self.last is None or self.improving or self.last < c.fraction * self.best
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "last": self.last}
+        return {"best": self.best, "last": self.last, "improving": self.improving}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.last = state.get("best"), state.get("last")
+        self.best, self.last, self.improving = state.get("best"), state.get("last"), state.get("improving", True)
 
 
 @dataclass

@@ -203,6 +203,17 @@ def merge_stats(parts: Sequence[dict]) -> dict:
     return out
 
 
+def acceptance_by_strategy(stats: dict) -> dict[str, float]:
+    """Tokens per row per step of each speculative strategy that ran (accepted drafts + 1)."""
+    tokens: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    for t, b, s in zip(stats.get("step_tokens", []), stats.get("batch_sizes", []), stats.get("strategies", [])):
+        if s != "off":
+            tokens[s] = tokens.get(s, 0) + t
+            rows[s] = rows.get(s, 0) + b
+    return {s: tokens[s] / rows[s] for s in sorted(tokens)}
+
+
 def drafter_acceptance(stats: dict) -> float | None:
     """Tokens per row per step over the steps whose strategy used the learned drafter (chain, tree)."""
     from tlt.speculative.strategy import Strategy

@@ -1,0 +1,143 @@
+"""Rollout on a local Ray cluster with 2 workers: same outputs as in-process, restart of a killed worker,
+spot training on a released worker, and a GRPO run (with resume) on the pool."""
+
+import json
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from tlt.model import ModelConfig, Transformer  # noqa: E402
+from tlt.rl.config import TrainConfig  # noqa: E402
+from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from tlt.spot.rollout import DrafterLearning, PooledRollout  # noqa: E402
+from tlt.spot.trainer import SpotConfig  # noqa: E402
+from tlt.spot.workers import RayPool, WorkerSpec, start_ray  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tlt.tasks import CharTokenizer
+
+    folder = tmp_path_factory.mktemp("ray-model")
+    torch.manual_seed(0)
+    Transformer(ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(folder)
+    CharTokenizer().save_pretrained(folder)
+    start_ray(None, cpus=2)
+    yield folder
+    ray.shutdown()
+
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 4], [1, 8, 3, 3, 3], [1, 6]]
+
+
+def params(long_first: bool = False):
+    return [SamplingParams(n=3, temperature=1.0, max_tokens=120 if (long_first and i == 0) else 24, ignore_eos=True,
+                           seed=100 + i) for i in range(len(PROMPTS))]
+
+
+def pool_of(model_dir, n=2, **spec_fields):
+    from tlt.model import load_model
+
+    specs = [WorkerSpec(str(model_dir), seed=0, **{k: (v[w] if k == "fault" else v) for k, v in spec_fields.items()})
+             for w in range(n)]
+    pool = RayPool(specs, log=lambda *_: None)
+    pool.load_weights(load_model(model_dir).state_dict(), 0)
+    return pool
+
+
+def flat(outputs):
+    return [(tuple(o.prompt_token_ids), c.index, tuple(c.token_ids)) for o in outputs
+            for c in o.outputs]
+
+
+def test_pool_returns_what_the_in_process_engine_returns(model_dir):
+    from tlt.model import load_model
+
+    engine = RolloutEngine(load_model(model_dir), config=EngineConfig(progress=False))
+    expected = engine.generate(PROMPTS, params())
+    rollout = PooledRollout(pool_of(model_dir), None, log=lambda *_: None)
+    try:
+        outputs, stats = rollout.generate(PROMPTS, params(), 0, 0)
+        assert flat(outputs) == flat(expected)
+        for a, b in zip(outputs, expected):
+            for x, y in zip(a.outputs, b.outputs):
+                assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+        assert sorted(stats["workers"]["shares"]) == [2, 3]
+        assert stats["decode_tokens"] == sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    finally:
+        rollout.close()
+
+
+def test_a_worker_killed_mid_rollout_is_restarted_without_losing_or_duplicating_samples(model_dir):
+    clean = PooledRollout(pool_of(model_dir), None, log=lambda *_: None)
+    try:
+        expected, _ = clean.generate(PROMPTS, params(), 0, 0)
+    finally:
+        clean.close()
+    lines = []
+    rollout = PooledRollout(pool_of(model_dir, fault=[{"rollout": 0, "after_steps": 3}, None]), None, log=lines.append)
+    try:
+        outputs, stats = rollout.generate(PROMPTS, params(), 0, 0)
+        assert flat(outputs) == flat(expected)  # each sample once, exactly as without the crash
+        assert len(flat(outputs)) == len(set(flat(outputs))) == 3 * len(PROMPTS)
+        assert stats["workers"]["restarts"] == [1, 0] and rollout.pool.restarts == 1
+        assert any("worker 0 died" in line for line in lines)
+        again, _ = rollout.generate(PROMPTS, params(), 0, 1)  # the replacement keeps working
+        assert flat(again) == flat(expected)
+    finally:
+        rollout.close()
+
+
+def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir):
+    from tlt.speculative.drafter import DrafterConfig
+    from tlt.model import load_model
+
+    config = SpotConfig(when="every", min_pairs=1, lr=3e-3, batch_tokens=128, rows=2, window=32)
+    learning = DrafterLearning(config, DrafterConfig.for_target(load_model(model_dir)), None, log=lambda *_: None)
+    pool = pool_of(model_dir, engine={"speculative": "adaptive"}, drafter="random")
+    rollout = PooledRollout(pool, learning, log=lambda *_: None)
+    try:
+        _, first = rollout.generate(PROMPTS, params(long_first=True), 0, 0)
+        assert rollout.finish_step(0) == {}  # the buffer was empty when the first rollout started
+        assert learning.buffer.pairs > 0
+        _, second = rollout.generate(PROMPTS, params(long_first=True), 0, 1)
+        assert second["workers"]["training_due"]
+        report = rollout.finish_step(1)
+        trainer = report["worker"]
+        assert second["workers"]["training_s"][trainer] > 0
+        assert report["steps"] >= 1 and learning.version == 1, report
+        assert report["stop_latency_s"] is not None and report["stop_latency_s"] < 5.0
+        _, third = rollout.generate(PROMPTS, params(long_first=True), 0, 2)
+        assert third["workers"]["drafter_version"] == 1
+        rollout.finish_step(2)  # pushes the newest drafter to every worker
+        states = ray.get([a.tuner_state.remote() for a in pool.actors])
+        assert all(s is not None for s in states)
+        trained = learning.state["drafter"]
+        for actor in pool.actors:  # every worker drafts with the trained weights
+            fc = ray.get(actor.drafter_tensor.remote("fc.weight"))
+            assert torch.equal(fc, trained["fc.weight"])
+    finally:
+        rollout.close()
+
+
+def test_grpo_on_two_ray_workers_runs_and_resumes(model_dir, tmp_path):
+    from tlt.rl.run import train
+
+    fields = dict(model=str(model_dir), drafter="random", speculative="adaptive", workers=2,
+                  reward="reward_fixtures:digit_fraction", train_problems=32, prompts_per_step=4, group_size=4,
+                  max_response_tokens=16, eval_every=0, save_every=1, lr=1e-2, steps=2, drafter_train="every",
+                  drafter_min_pairs=1, drafter_batch_tokens=128, drafter_window=32)
+    run = tmp_path / "run"
+    train(TrainConfig(**fields), run, log=lambda *_: None, stop_after=1)
+    trainer = train(TrainConfig(**fields), run, resume=True, log=lambda *_: None)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(len(r["workers"]["shares"]) == 2 for r in rows)
+    assert trainer.step == 2
+    tuner = json.loads((run / "checkpoints" / "step_00000002" / "tuner.json").read_text())
+    assert len(tuner["tuners"]) == 2

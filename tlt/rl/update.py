@@ -1,0 +1,179 @@
+"""The policy update: one optimizer step per mini-batch slice of groups, over packed micro-batches.
+
+Each slice's loss is a sum of per-token terms whose weights (`token_weights`) already normalise over
+the whole slice, so the gradients of any partition of its responses add up to the full-slice
+gradient. That makes one code path serve one process and N: rank r runs its share of each slice
+(`shard`), the per-rank gradient sums and diagnostic sums are all-reduced with SUM, and every rank then
+clips and steps identically. With one process the share is the whole slice and nothing is reduced.
+Responses cross process boundaries as `Sample` records: token ids, the advantage and the old and
+reference log-probs the loss needs, nothing of the example or its text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tlt.errors import TrainingError
+from tlt.rl.config import TrainConfig
+from tlt.rl.episode import Episode, MicroBatch, pack
+from tlt.rl.grpo import entropy, policy_loss, token_weights
+
+# Diagnostic sums reduced over ranks per slice, after the loss and the weight seen.
+PARTS = ("ratio", "clip_fraction", "kl", "entropy")
+
+
+class Diverged(TrainingError):
+    """A non-finite loss or gradient norm; every rank sees the same reduced value, so all raise it."""
+
+
+@dataclass
+class Sample:
+    """One response as the update sees it."""
+
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    old_logprobs: torch.Tensor  # [T] the behaviour policy's, per completion token
+    ref_logprobs: torch.Tensor | None = None  # [T] the reference's, when there is a KL term
+
+    @classmethod
+    def of(cls, episode: Episode, old: dict, ref: dict) -> "Sample":
+        """From an episode and the trainer's recomputed old / reference log-probs keyed by id(episode)
+        (an empty `old` means the engine's log-probs). Copies, so no view pins a micro-batch's tensor."""
+        old_lp = old[id(episode)].clone() if old else torch.tensor(episode.logprobs)
+        return cls(episode.group, episode.prompt_ids, episode.completion_ids, episode.advantage, old_lp,
+                   ref[id(episode)].clone() if ref else None)
+
+
+def build_optimizer(policy: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; every rank builds the same one."""
+    decay = [p for p in policy.parameters() if p.dim() >= 2]
+    other = [p for p in policy.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=config.lr, betas=(config.beta1, config.beta2))
+
+
+def token_logprobs(model, batch: MicroBatch, config: TrainConfig, with_entropy: bool = False):
+    """(log-probs [N], entropies [N] or None) of a micro-batch's response tokens under `model`, with
+    the same temperature / top-k / top-p warping the engine sampled with."""
+    from tlt.rollout.sampling import warp_logprobs
+
+    device = model.device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.dtype == "bfloat16" \
+        else contextlib.nullcontext()
+    with autocast:
+        out = model(batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                    logit_index=batch.logit_index.to(device))
+    logits = out.logits[batch.target_mask.to(device)].float()  # [N, V]
+    n = len(logits)
+    logprobs = warp_logprobs(logits, torch.full((n,), config.temperature, device=device),
+                             torch.full((n,), config.top_k, dtype=torch.long, device=device),
+                             torch.full((n,), config.top_p, device=device))  # [N, V]
+    tokens = batch.targets().to(device)  # [N]
+    picked = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
+    return picked, (entropy(logprobs) if with_entropy else None)
+
+
+def shard(samples: list[Sample], rank: int, world: int) -> list[Sample]:
+    """Rank `rank`'s share of a slice, in the slice's order: longest first to the least-loaded rank, so
+    token counts balance even when the slice packs into fewer micro-batches than there are ranks.
+    Rank 0 always gets the longest, so it runs a micro-batch whenever any rank does."""
+    size = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    load, owner = [0] * world, [0] * len(samples)
+    for i in sorted(range(len(samples)), key=lambda i: -size[i]):
+        owner[i] = min(range(world), key=load.__getitem__)
+        load[owner[i]] += size[i]
+    return [s for s, o in zip(samples, owner) if o == rank]
+
+
+def all_reduce_sum(tensors: list[torch.Tensor], world: int, bucket: int = 1 << 24) -> None:
+    """Sum each tensor over the ranks in place: one collective per bucket of up to `bucket` elements
+    of one dtype, rather than one per tensor. Nothing to do for a single process."""
+    if world == 1:
+        return
+    filling: dict[torch.dtype, list[torch.Tensor]] = {}
+    buckets: list[list[torch.Tensor]] = []
+    for t in tensors:
+        members = filling.setdefault(t.dtype, [])
+        if members and sum(x.numel() for x in members) + t.numel() > bucket:
+            buckets.append(members)
+            members = filling[t.dtype] = []
+        members.append(t)
+    for group in buckets + list(filling.values()):
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat)
+        for t, part in zip(group, flat.split([t.numel() for t in group])):
+            t.copy_(part.view_as(t))
+
+
+def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig, samples: list[Sample], lr: float,
+                  rank: int = 0, world: int = 1) -> dict:
+    """`config.mini_batches` optimizer steps over `samples`, this rank running its share of each slice;
+    every rank of `world` calls it with the same samples. Returns the step's diagnostics (identical on
+    every rank but the first micro-batch's ratio deviation, which is this rank's)."""
+    c, loss_config = config, config.loss()
+    device = policy.device
+    groups = sorted({s.group for s in samples})
+    slices = [set(s.tolist()) for s in np.array_split(np.array(groups), min(c.mini_batches, len(groups)))]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    totals = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    first_dev = None
+    # A response with advantage 0 adds exactly nothing to the surrogate's gradient; unless KL or
+    # entropy terms touch it, it is left out of the forward but still counted in the normaliser,
+    # so the update is unchanged and the many all-equal groups cost no compute.
+    skip = c.skip_zero_advantage and loss_config.kl_coef == 0 and loss_config.entropy_coef == 0
+    params = list(policy.parameters())
+    policy.train()
+    ran = 0
+    for members in slices:
+        batch = [s for s in samples if s.group in members]
+        n_tokens = sum(len(s.completion_ids) for s in batch)
+        active = [s for s in batch if s.advantage != 0.0] if skip else batch
+        optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(2 + len(PARTS), dtype=torch.float64, device=device)  # loss, weight seen, PARTS
+        for mb in pack(shard(active, rank, world), c.row_tokens, c.micro_batch_tokens):
+            logp, ent = token_logprobs(policy, mb, c, with_entropy=True)
+            lengths = torch.tensor([len(s.completion_ids) for s in mb.episodes])
+            old_lp = torch.cat([s.old_logprobs for s in mb.episodes]).to(device)  # [N]
+            refs = [s.ref_logprobs for s in mb.episodes]
+            ref_lp = torch.cat(refs).to(device) if refs[0] is not None else None  # [N]
+            adv = torch.tensor([s.advantage for s in mb.episodes]).repeat_interleave(lengths).to(device)  # [N]
+            weights = token_weights(lengths, c.aggregation, n_tokens, len(batch)).to(device)  # [N]
+            loss, parts = policy_loss(logp, old_lp, adv, weights, loss_config, ref_lp, ent)
+            sums[0] += loss.detach()
+            if not torch.isfinite(loss):  # the reduced loss is then non-finite on every rank
+                break
+            if first_dev is None:
+                first_dev = float((logp.detach() - old_lp).exp().sub(1).abs().max())
+            loss.backward()
+            sums[1] += weights.sum()
+            sums[2:] += torch.stack([parts[k] for k in PARTS])
+        all_reduce_sum([sums], world)
+        if not torch.isfinite(sums[0]):
+            raise Diverged(f"the loss is {sums[0].item()}")
+        totals["loss"] += sums[0].item() / len(slices)
+        # Diagnostics average over the responses that were run (all of them unless skipped).
+        if active:
+            for k, v in zip(PARTS, (sums[2:] / sums[1]).tolist()):
+                totals[k] += v / len(slices)
+        ran += len(active)
+        for p in params:
+            if p.grad is None:  # nothing was run: the same Adam step as an all-zero gradient
+                p.grad = torch.zeros_like(p)
+        all_reduce_sum([p.grad for p in params], world)
+        norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
+        if not torch.isfinite(norm):
+            raise Diverged(f"the gradient norm is {norm.item()}")
+        totals["grad_norm"] += norm.item() / len(slices)
+        optimizer.step()
+    if not ran:
+        totals.update(ratio=None, clip_fraction=None, kl=None, entropy=None)
+    return {**totals, "lr": lr, "ratio_first_max_dev": first_dev, "responses_in_update": ran}
