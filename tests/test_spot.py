@@ -358,3 +358,30 @@ def test_drafter_swapped_mid_rollout_changes_no_output(target):
     assert torch.equal(engine.drafter.fc.weight, other["fc.weight"])
     with pytest.raises(CheckpointError):
         engine.load_drafter({"fc.weight": other["fc.weight"]}, 2)
+
+
+def test_export_finds_the_newest_online_drafter_of_a_run(tmp_path, target, records):
+    from tlt.speculative.export import find_drafter
+
+    c = small(max_steps=2)
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
+    writer = DrafterCheckpointer(tmp_path / "run" / "drafter")
+    for _ in range(3):
+        trainer.train(batches_of(records, c), lambda: False)
+        writer.save(trainer.state_dict(), trainer.drafter.config)
+    assert find_drafter(tmp_path / "run").name == "drafter_00000003"
+
+
+def test_a_stop_that_overtakes_its_phase_still_stops_it_and_no_later_one(tmp_path, target, records):
+    from tlt.spot.workers import RolloutWorker, WorkerSpec
+
+    target.save_pretrained(tmp_path / "model")
+    worker = RolloutWorker(WorkerSpec(str(tmp_path / "model"), {"speculative": "adaptive"}, drafter="random"))
+    c = small(max_steps=2)
+    weights = favour_long()([Entry(r, 0, j) for j, r in enumerate(records)])
+    worker.stop_training(1)  # arrives before phase 1 has begun
+    _, report = worker.train(1, None, records, weights, c, seed=0)
+    assert report["steps"] == 0 and report["stopped"] == "stop"
+    state, report = worker.train(2, None, records, weights, c, seed=0)  # the old stop does not reach phase 2
+    assert report["steps"] == 2 and report["stopped"] == "max_steps" and state["version"] == 1
+    assert torch.equal(worker.drafter_tensor("fc.weight"), state["drafter"]["fc.weight"])

@@ -204,3 +204,34 @@ def test_dataset_eval_holds_rows_out_of_training(model_dir, tmp_path):
     (tmp_path / "one.jsonl").write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(ConfigError, match="too few to hold any out"):
         GRPOTrainer(config(model_dir, dataset=str(tmp_path / "one.jsonl"), eval_every=1), log=lambda *_: None)
+
+
+def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp_path):
+    """workers=1: a due phase trains the engine's drafter in place after the rollout (counted as drafter
+    time); `compare` runs off / tlt / frozen side by side and reports the alignment figures."""
+    from tlt.bench.e2e import alignment, cold_start, compare
+
+    c = config(model_dir, drafter="random", speculative="adaptive", drafter_train="every", drafter_min_pairs=1,
+               drafter_batch_tokens=128, drafter_window=32, drafter_local_steps=3, steps=2, eval_every=2,
+               max_response_tokens=24)
+    result = compare(c, "adaptive", tmp_path / "bench", log=lambda *_: None)
+    assert result["runs"] == ["off", "tlt", "frozen"]
+    rows = [json.loads(x) for x in (tmp_path / "bench" / "tlt" / "metrics.jsonl").read_text().splitlines() if '"time_step_s"' in x]
+    assert [r["drafter_phase_steps"] for r in rows] == [3, 3] and rows[-1]["drafter_version"] == 2
+    assert all(r["time_drafter_s"] > 0 for r in rows)
+    frozen_rows = [json.loads(x) for x in (tmp_path / "bench" / "frozen" / "metrics.jsonl").read_text().splitlines()
+                   if '"time_step_s"' in x]
+    assert all("drafter_version" not in r for r in frozen_rows)
+    ratios = result["ratios"]
+    assert ratios["drafter_overhead"] == pytest.approx(sum(r["time_step_s"] for r in rows) /
+                                                       sum(r["time_step_s"] for r in frozen_rows))
+    assert (tmp_path / "bench" / "e2e.png").stat().st_size > 0
+    # the figures themselves, on rows with known values
+    a = [{"drafter_acceptance_length": x, "time_step_s": 2.0} for x in (1.0, 3.0, 3.0)]
+    b = [{"drafter_acceptance_length": x, "time_step_s": 1.0} for x in (1.0, 2.0, 2.0)]
+    fig = alignment(a, b, last=2)
+    assert fig["acceptance_adaptive_vs_frozen"] == 1.5 and fig["drafter_overhead"] == 2.0
+    strat = [{"acceptance_by_strategy": s} for s in ({"chain-d4": 1.1, "ngram-d4": 1.5}, {"chain-d4": 1.9, "ngram-d4": 1.6},
+                                                    {"ngram-d4": 1.7}, {"chain-d4": 2.5, "ngram-d4": 1.6})]
+    assert cold_start(strat)["overtake_step"] == 2
+    assert cold_start(strat[:1])["overtake_step"] is None

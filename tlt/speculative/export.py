@@ -25,7 +25,8 @@ back; tlt fuses kH -> H, then applies fc 2H -> H and the same H-input layer as E
 of weights makes the two equal.
 
 Input: a drafter folder as `Drafter.save` writes it (drafter_config.json, drafter.safetensors), or a
-run directory holding `drafter/` or `checkpoints/step_*/drafter/` (the highest step). The target's
+run directory holding `drafter/` (a drafter, or the online drafter checkpoints: the newest) or
+`checkpoints/step_*/drafter/` (the highest step). The target's
 shape comes from `target` (a model folder or built-in name), else from the checkpoint's `policy/`
 beside the drafter, else from the drafter's `target_name`. The output folder is built beside its
 destination and renamed into place, so it is complete or absent.
@@ -48,14 +49,19 @@ ARCHITECTURE = "LlamaForCausalLMEagle"
 
 
 def find_drafter(path: str | os.PathLike) -> Path:
-    """The drafter folder `path` names: itself, its `drafter/`, or its highest `checkpoints/step_*/drafter/`."""
+    """The drafter folder `path` names: itself, its `drafter/`, the newest drafter the run trained online
+    (`drafter/latest.json`: aligned with the final policy), or its highest `checkpoints/step_*/drafter/`."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder (expected a drafter folder or a run directory)")
     if (folder / "drafter_config.json").is_file():
         return folder
-    if (folder / "drafter").is_dir():
+    if (folder / "drafter" / "drafter_config.json").is_file():
         return folder / "drafter"
+    if (folder / "drafter" / "latest.json").is_file():
+        from tlt.spot.trainer import latest_drafter_checkpoint
+
+        return latest_drafter_checkpoint(folder / "drafter")
     steps = [p for p in (folder / "checkpoints").glob("step_*/drafter") if p.is_dir() and p.parent.name[5:].isdigit()]
     if steps:
         return max(steps, key=lambda p: int(p.parent.name[5:]))

@@ -24,6 +24,9 @@ from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, SpotTrai
 from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
 
 
+STOP_TIMEOUT_S = 120.0  # a stopped spot trainer returns within one optimizer step; this only catches a hang
+
+
 class DrafterLearning:
     """Driver-side state of online drafter training (see the module docstring)."""
 
@@ -160,6 +163,7 @@ class PooledRollout:
         self.predictor = LengthPredictor()
         self._training: tuple[int, object] | None = None
         self._drafter_version = 0  # the drafter version every worker holds
+        self._phase = 0  # spot phases started
 
     @property
     def tuner(self):
@@ -210,10 +214,12 @@ class PooledRollout:
                 records, weights = learning.payload()
                 ref = ray.put(records)
                 seed = learning.config.seed + step
-                trainer = (w, self.pool.actors[w].train.remote(learning.state, ref, weights, learning.config, seed))
+                self._phase += 1
+                trainer = (w, self.pool.actors[w].train.remote(self._phase, learning.state, ref, weights,
+                                                               learning.config, seed))
         if trainer is not None:
             w, _ = trainer
-            self.pool.actors[w].stop_training.options(concurrency_group="control").remote()
+            self.pool.actors[w].stop_training.options(concurrency_group="control").remote(self._phase)
             self._training = trainer
         ordered = [None] * len(prompts)
         for w, share in enumerate(shares):
@@ -236,14 +242,18 @@ class PooledRollout:
             return {}
         from ray.exceptions import RayActorError
 
+        from ray.exceptions import GetTimeoutError
+
         w, future = self._training
         self._training = None
         self.coordinator.trainer_stopped()
         try:
-            state, report = self.pool.ray.get(future)
-        except RayActorError as exc:
-            self.log(f"spot trainer on worker {w} died ({type(exc).__name__}); its phase is lost, the drafter "
-                     "stays at the last collected state")
+            state, report = self.pool.ray.get(future, timeout=STOP_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as exc:
+            what = "died" if isinstance(exc, RayActorError) else f"did not stop within {STOP_TIMEOUT_S:.0f}s"
+            self.log(f"spot trainer on worker {w} {what}; its phase is lost, the drafter stays at the last "
+                     "collected state, and the worker is replaced")
+            self.pool.ray.kill(self.pool.actors[w])
             self.pool.restart(w)
             return {"steps": 0, "worker": w, "lost": True}
         report["worker"] = w

@@ -75,8 +75,11 @@ class RolloutWorker:
             drafter = Drafter.from_target(model, seed=spec.seed).eval()
         self.engine = RolloutEngine(model, None, EngineConfig(**{**spec.engine, "drafter": drafter, "progress": False}))
         self.rollouts = 0
-        self._stop = threading.Event()
-        self._stop_at: float | None = None
+        # Phases are numbered by the driver, and a stop names its phase: a stop that overtakes its
+        # phase's start (the phase still unpacking its records) still stops it, and cannot stop a later one.
+        self._stopped_phase = -1
+        self._stop_at: dict[int, float] = {}
+        self._lock = threading.Lock()
 
     def ping(self) -> int:
         return os.getpid()
@@ -122,14 +125,13 @@ class RolloutWorker:
         return outputs, self.engine.stats()
 
     # --- spot training -------------------------------------------------------------------------------
-    def train(self, state: dict | None, records: list, weights: list[float], config, seed: int) -> tuple[dict, dict]:
-        """Train the engine's drafter on `records` until `stop_training` (or the config's max_steps);
-        returns (trainer state, phase report). The engine's drafter keeps the trained weights."""
+    def train(self, phase: int, state: dict | None, records: list, weights: list[float], config,
+              seed: int) -> tuple[dict, dict]:
+        """Train the engine's drafter on `records` until `stop_training(phase)` (or the config's
+        max_steps); returns (trainer state, phase report). The engine's drafter keeps the trained weights."""
         from tlt.spot.buffer import Entry, sampled_batches
         from tlt.spot.trainer import SpotTrainer
 
-        self._stop.clear()
-        self._stop_at = None
         drafter = self.engine.drafter
         if drafter is None:
             raise ConfigError("spot training needs a learned drafter in the engine")
@@ -138,14 +140,15 @@ class RolloutWorker:
             trainer.load_state_dict(state)
         entries = [Entry(r, 0, j) for j, r in enumerate(records)]
         batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
-        result = trainer.train(batches, self._stop.is_set, lambda: self._stop_at)
+        result = trainer.train(batches, lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase))
         report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": result.stop_latency_s,
                   "stopped": result.stopped, **{f"loss_{k}": v for k, v in result.metrics.items()}}
         return trainer.state_dict(), report
 
-    def stop_training(self) -> None:
-        self._stop_at = time.perf_counter()
-        self._stop.set()
+    def stop_training(self, phase: int) -> None:
+        with self._lock:
+            self._stop_at.setdefault(phase, time.perf_counter())
+            self._stopped_phase = max(self._stopped_phase, phase)
 
 
 # --- shares ----------------------------------------------------------------------------------------
