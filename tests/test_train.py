@@ -227,10 +227,18 @@ def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp
                                                        sum(r["time_step_s"] for r in frozen_rows))
     assert (tmp_path / "bench" / "e2e.png").stat().st_size > 0
     # the figures themselves, on rows with known values
-    a = [{"drafter_acceptance_length": x, "time_step_s": 2.0} for x in (1.0, 3.0, 3.0)]
-    b = [{"drafter_acceptance_length": x, "time_step_s": 1.0} for x in (1.0, 2.0, 2.0)]
+    def row(chain, tree, rows_chain, rows_tree, t):
+        return {"drafter_acceptance_length": None, "time_step_s": t,
+                "acceptance_by_strategy": {"chain-d4": chain, "tree-d6-k4-v24": tree, "ngram-d4": 9.0},
+                "rows_by_strategy": {"chain-d4": rows_chain, "tree-d6-k4-v24": rows_tree, "ngram-d4": 5}}
+
+    a = [row(1.0, 1.0, 10, 10, 2.0), row(3.0, 4.0, 30, 10, 2.0), row(3.0, 4.0, 30, 10, 2.0)]
+    b = [row(1.0, 1.0, 10, 10, 1.0), row(2.0, 5.0, 10, 30, 1.0), row(2.0, 5.0, 10, 30, 1.0)]
     fig = alignment(a, b, last=2)
-    assert fig["acceptance_adaptive_vs_frozen"] == 1.5 and fig["drafter_overhead"] == 2.0
+    assert fig["acceptance_by_arm"]["chain-d4"]["ratio"] == 1.5  # arm by arm: the mix does not matter
+    assert fig["acceptance_by_arm"]["tree-d6-k4-v24"]["ratio"] == 0.8
+    assert fig["acceptance_adaptive_vs_frozen"] == pytest.approx((1.5 * 60 + 0.8 * 20) / 80)
+    assert "ngram-d4" not in fig["acceptance_by_arm"] and fig["drafter_overhead"] == 2.0
     strat = [{"acceptance_by_strategy": s} for s in ({"chain-d4": 1.1, "ngram-d4": 1.5}, {"chain-d4": 1.9, "ngram-d4": 1.6},
                                                     {"ngram-d4": 1.7}, {"chain-d4": 2.5, "ngram-d4": 1.6})]
     assert cold_start(strat)["overtake_step"] == 2

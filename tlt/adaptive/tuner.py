@@ -260,17 +260,17 @@ class Tuner:
                 self.log(f"tuner: pruned {arm} from bucket {self.label(i)} at step {bucket.clock}: median "
                          f"{median:.1f} tok/s < {c.prune_ratio} x {leader}'s {best_median:.1f}")
 
-    def reset_arms(self, arms: Sequence[str]) -> None:
-        """Forget every reward and pruning of `arms` in every bucket, so they count as untried again: what
-        they earned described a drafter that has since been replaced."""
+    def unprune(self, arms: Sequence[str]) -> None:
+        """Let `arms` compete again in every bucket they were pruned from, keeping their reward windows:
+        the drafter they were judged with has been replaced, and pruning is otherwise for good. Their old
+        rewards fade under `decay` as fresh ones arrive, so a better drafter is recognised without paying
+        to re-measure every arm in every bucket (which at large batch costs more than it tells)."""
         for arm in arms:
             if arm not in self._buckets[0].choices:
                 raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
         for bucket in self._buckets:
             for arm in arms:
-                bucket.windows[arm].clear()
                 bucket.pruned.pop(arm, None)
-                bucket.summaries.pop(arm, None)
 
     # --- reporting and state -----------------------------------------------------------------------
     def label(self, i: int) -> str:

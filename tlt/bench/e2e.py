@@ -11,8 +11,11 @@ eval accuracy at the end minus at the start, in points.
 With drafter training on (the default when the tlt run has a learned drafter), a third run "frozen"
 is the tlt run with the drafter kept as it started (drafter_train=off). It gives the two figures of
 the adaptive drafter:
-  - `ratios.acceptance_adaptive_vs_frozen`: the learned drafter's acceptance length (tokens per row per
-    step of chain and tree steps) in the tlt run over the frozen run's, mean of the last 5 steps;
+  - `ratios.acceptance_adaptive_vs_frozen`: the learned drafter's acceptance length in the tlt run over
+    the frozen run's over the last 5 steps, compared arm by arm (an adaptive tuner runs the chain and
+    tree arms in different proportions in the two runs, and a deeper arm accepts more whatever the
+    drafter): per drafter arm, tokens / row-steps of each run; the headline is the mean of the per-arm
+    ratios weighted by the tlt run's row-steps (`acceptance_by_arm` has each);
   - `ratios.drafter_overhead`: tlt step time over frozen step time (1.0: training fit in idle time).
 `cold_start` compares, step by step, the acceptance of the learned drafter's chain-d4 arm with the
 n-gram drafter's ngram-d4 arm (same depth) in the tlt run, and names the step from which the learned
@@ -156,8 +159,11 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
             f"{ratios['speedup_median_step']:.2f}, rollout {ratios['rollout_speedup']:.2f}; "
             f"rollout share of step time (off) {ratios['rollout_share_off']:.0%}")
     if "frozen" in rows:
-        log(f"adaptive vs frozen drafter: acceptance {ratios['acceptance_adaptive_vs_frozen']:.2f}x (last 5 steps), "
-            f"step time {ratios['drafter_overhead']:.3f}x (median step {ratios['drafter_overhead_median_step']:.3f}x)")
+        aligned = ratios["acceptance_adaptive_vs_frozen"]
+        arms = ", ".join(f"{a} {v['ratio']:.2f}x" for a, v in ratios["acceptance_by_arm"].items())
+        log(f"adaptive vs frozen drafter: acceptance {'n/a' if aligned is None else f'{aligned:.2f}x'} "
+            f"(last 5 steps, arm by arm: {arms or 'no arm ran in both'}), step time {ratios['drafter_overhead']:.3f}x "
+            f"(median step {ratios['drafter_overhead_median_step']:.3f}x)")
     if result["cold_start"]["overtake_step"] is not None:
         log(f"learned drafter (chain-d4) ahead of the n-gram drafter (ngram-d4) from step "
             f"{result['cold_start']['overtake_step']}")
@@ -180,13 +186,28 @@ def _mean(values) -> float | None:
 def alignment(tlt_rows: list[dict], frozen_rows: list[dict], last: int = 5) -> dict:
     """Acceptance of the learned drafter, adaptive over frozen (last `last` steps and last step), and the
     step-time overhead of training it (total and median per-step ratio)."""
-    ours = _mean(r["drafter_acceptance_length"] for r in tlt_rows[-last:])
-    theirs = _mean(r["drafter_acceptance_length"] for r in frozen_rows[-last:])
-    final = (tlt_rows[-1]["drafter_acceptance_length"], frozen_rows[-1]["drafter_acceptance_length"])
+    from tlt.speculative.strategy import Strategy
+
+    def per_arm(rows):
+        tokens, count = {}, {}
+        for r in rows[-last:]:
+            for arm, n in r.get("rows_by_strategy", {}).items():
+                if Strategy.parse(arm).uses_drafter:
+                    tokens[arm] = tokens.get(arm, 0.0) + r["acceptance_by_strategy"][arm] * n
+                    count[arm] = count.get(arm, 0) + n
+        return {a: (tokens[a] / count[a], count[a]) for a in tokens}
+
+    ours, theirs = per_arm(tlt_rows), per_arm(frozen_rows)
+    arms = {a: {"adaptive": ours[a][0], "frozen": theirs[a][0], "ratio": ours[a][0] / theirs[a][0],
+                "row_steps_adaptive": ours[a][1], "row_steps_frozen": theirs[a][1]}
+            for a in sorted(set(ours) & set(theirs))}
+    weight = sum(v["row_steps_adaptive"] for v in arms.values())
+    headline = sum(v["ratio"] * v["row_steps_adaptive"] for v in arms.values()) / weight if weight else None
     return {
-        "acceptance_adaptive_vs_frozen": ours / theirs if ours and theirs else None,
-        "acceptance_adaptive_vs_frozen_last_step": final[0] / final[1] if all(final) else None,
-        "acceptance_adaptive_last5": ours, "acceptance_frozen_last5": theirs,
+        "acceptance_adaptive_vs_frozen": headline,
+        "acceptance_by_arm": arms,
+        "drafter_acceptance_adaptive_last": _mean(r["drafter_acceptance_length"] for r in tlt_rows[-last:]),
+        "drafter_acceptance_frozen_last": _mean(r["drafter_acceptance_length"] for r in frozen_rows[-last:]),
         "drafter_overhead": sum(r["time_step_s"] for r in tlt_rows) / sum(r["time_step_s"] for r in frozen_rows),
         "drafter_overhead_median_step": statistics.median(a["time_step_s"] / b["time_step_s"]
                                                           for a, b in zip(tlt_rows, frozen_rows)),

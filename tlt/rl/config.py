@@ -16,8 +16,10 @@ from tlt.errors import ConfigError
 class TrainConfig:
     # --- model and data
     model: str = "default"
-    # The learned drafter for chain/tree speculation: a folder, "default", None (n-gram and off arms
-    # only) or "auto": the built-in drafter for the built-in model, None for any other model.
+    # The learned drafter for chain/tree speculation: a folder, a built-in one ("default", or
+    # "references": trained on the task's reference solutions), "random" (a fresh one, learned online
+    # while n-gram drafts serve), None (n-gram and off arms only) or "auto": the built-in drafter for
+    # the built-in model, None for any other model.
     drafter: str | None = "auto"
     task: str = "arithmetic"  # built-in task, used unless `dataset` is given
     dataset: str | None = None  # a JSONL or Parquet file (verl or TRL layout)

@@ -199,11 +199,11 @@ class GRPOTrainer:
     def _drafter_metrics(self, stats: dict, phase: dict) -> dict:
         """The drafter's side of a step: acceptance of the learned drafter's steps, the spot phase (optimizer
         steps, seconds, preemption latency, loss) and the workers' time split."""
-        from tlt.spot.workers import acceptance_by_strategy, drafter_acceptance
+        from tlt.spot.workers import acceptance_by_strategy, drafter_acceptance, rows_by_strategy
 
         learning = getattr(self.rollout_backend, "learning", None)
         out = {"drafter_acceptance_length": drafter_acceptance(stats),
-               "acceptance_by_strategy": acceptance_by_strategy(stats)}
+               "acceptance_by_strategy": acceptance_by_strategy(stats), "rows_by_strategy": rows_by_strategy(stats)}
         if learning is not None:
             out.update(drafter_version=learning.version, drafter_phase_steps=phase.get("steps", 0),
                        drafter_phase_s=phase.get("seconds", 0.0), drafter_stop_latency_s=phase.get("stop_latency_s"),

@@ -190,9 +190,9 @@ class RolloutEngine:
     # --- public API --------------------------------------------------------------------------------
     def load_drafter(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy a drafter's trainable weights into the engine's drafter in place and record their version.
-        The tuner forgets what it measured of the arms that use the drafter (their rewards described the
-        old one), so it measures them afresh. Verification does not depend on the drafter: any weights,
-        swapped at any time, leave the output distribution exactly as it was."""
+        The tuner lets arms that use the drafter compete again where it had pruned them (they were judged
+        with the old one); their rewards fade by its decay. Verification does not depend on the drafter:
+        any weights, swapped at any time, leave the output distribution exactly as it was."""
         from tlt.speculative.drafter import check_tensors
 
         drafter = self.drafter
@@ -206,7 +206,7 @@ class RolloutEngine:
         if self.tuner is not None:
             from tlt.speculative.strategy import Strategy
 
-            self.tuner.reset_arms([a for a in self.tuner.config.arms if Strategy.parse(a).uses_drafter])
+            self.tuner.unprune([a for a in self.tuner.config.arms if Strategy.parse(a).uses_drafter])
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy a policy's weights (a state dict with the model's parameter names) into the engine's

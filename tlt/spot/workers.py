@@ -206,14 +206,22 @@ def merge_stats(parts: Sequence[dict]) -> dict:
     return out
 
 
+def rows_by_strategy(stats: dict) -> dict[str, int]:
+    """Row-steps (live rows x steps) each speculative strategy ran for."""
+    rows: dict[str, int] = {}
+    for b, s in zip(stats.get("batch_sizes", []), stats.get("strategies", [])):
+        if s != "off":
+            rows[s] = rows.get(s, 0) + b
+    return dict(sorted(rows.items()))
+
+
 def acceptance_by_strategy(stats: dict) -> dict[str, float]:
     """Tokens per row per step of each speculative strategy that ran (accepted drafts + 1)."""
     tokens: dict[str, int] = {}
-    rows: dict[str, int] = {}
-    for t, b, s in zip(stats.get("step_tokens", []), stats.get("batch_sizes", []), stats.get("strategies", [])):
+    for t, s in zip(stats.get("step_tokens", []), stats.get("strategies", [])):
         if s != "off":
             tokens[s] = tokens.get(s, 0) + t
-            rows[s] = rows.get(s, 0) + b
+    rows = rows_by_strategy(stats)
     return {s: tokens[s] / rows[s] for s in sorted(tokens)}
 
 
