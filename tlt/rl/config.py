@@ -49,6 +49,7 @@ class TrainConfig:
     drafter_train_fraction: float = 0.9  # for acceptance
     drafter_min_pairs: int = 2048  # buffered pairs before the first phase
     drafter_lr: float = 3e-4
+    drafter_warmup_steps: int = 20  # over the run's first drafter optimizer steps (protects a trained drafter)
     drafter_batch_tokens: int = 2048
     drafter_window: int = 256
     drafter_max_steps: int = 0  # optimizer steps per spot phase at most (0: until rollout ends)
@@ -104,6 +105,7 @@ class TrainConfig:
                 raise ConfigError(f"field {name!r} must be an integer >= 1, got {value!r}")
         for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "threads", "workers",
                      "worker_threads", "drafter_train_every", "drafter_min_pairs", "drafter_max_steps",
+                     "drafter_warmup_steps",
                      "drafter_local_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -137,7 +139,8 @@ class TrainConfig:
         try:
             return SpotConfig(when=self.drafter_train, every=self.drafter_train_every,
                               fraction=self.drafter_train_fraction, min_pairs=self.drafter_min_pairs,
-                              lr=self.drafter_lr, batch_tokens=self.drafter_batch_tokens, rows=4,
+                              lr=self.drafter_lr, warmup_steps=self.drafter_warmup_steps,
+                              batch_tokens=self.drafter_batch_tokens, rows=4,
                               window=self.drafter_window, max_steps=self.drafter_max_steps,
                               buffer_mb=self.drafter_buffer_mb, buffer_versions=self.drafter_buffer_steps,
                               seed=self.seed)

@@ -49,6 +49,7 @@ class SpotConfig:
     fraction: float = 0.9
     min_pairs: int = 2048
     lr: float = 3e-4
+    warmup_steps: int = 20
     weight_decay: float = 0.0
     batch_tokens: int = 2048
     rows: int = 4
@@ -67,6 +68,7 @@ class SpotConfig:
             raise ConfigError(f"drafter training 'when' must be off, every, every-N or acceptance, got {self.when!r}")
         checks = [("every", self.every >= 1, ">= 1"), ("fraction", 0 < self.fraction <= 1, "in (0, 1]"),
                   ("min_pairs", self.min_pairs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
+                  ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
                   ("rows", self.rows >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
                   ("batch_tokens", self.batch_tokens // max(self.rows, 1) >= self.window,
                    f"at least rows * window = {self.rows * self.window}"),
@@ -162,6 +164,8 @@ class SpotTrainer:
                     result.stopped = "max_steps"
                     break
                 batch = next(batches).to(device)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.learning_rate()
                 loss, m = unrolled_loss(self.drafter, batch, loss_config)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -182,6 +186,13 @@ class SpotTrainer:
         if result.steps:
             self.version += 1
         return result
+
+    def learning_rate(self) -> float:
+        """`lr`, ramped up linearly over the trainer's first `warmup_steps` optimizer steps (over all
+        phases): a fresh Adam's first updates are about lr in every weight whatever the gradient, which
+        would knock an already trained drafter off its optimum."""
+        c = self.config
+        return c.lr * min(1.0, (self.steps + 1) / c.warmup_steps) if c.warmup_steps else c.lr
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
