@@ -162,7 +162,9 @@ def test_a_run_directory_exports_its_newest_drafter_against_its_policy(tiny_mode
     assert main(["export-drafter", str(run), str(tmp_path / "eagle")]) == 0
     written = load_file(str(tmp_path / "eagle" / "model.safetensors"))
     assert torch.equal(written["fc.weight"], drafters[10].fc.weight.detach())
-    (run / "drafter").mkdir()
+    (run / "drafter").mkdir()  # an empty folder is no drafter: the checkpoints' still wins
+    assert find_drafter(run) == run / "checkpoints" / "step_00000010" / "drafter"
+    save_drafter(model, run / "drafter")
     assert find_drafter(run) == run / "drafter"
 
 

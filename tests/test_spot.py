@@ -384,3 +384,13 @@ def test_a_stop_that_overtakes_its_phase_still_stops_it_and_no_later_one(tmp_pat
     state, report = worker.train(2, None, records, weights, c, seed=0)  # the old stop does not reach phase 2
     assert report["steps"] == 2 and report["stopped"] == "max_steps" and state["version"] == 1
     assert torch.equal(worker.drafter_tensor("fc.weight"), state["drafter"]["fc.weight"])
+
+
+def test_learning_rate_warms_up_over_the_trainers_life(target):
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), small(lr=1e-3, warmup_steps=4))
+    rates = []
+    for steps in range(6):
+        trainer.steps = steps
+        rates.append(trainer.learning_rate())
+    assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert SpotTrainer(trainer.drafter, small(lr=1e-3, warmup_steps=0)).learning_rate() == 1e-3
