@@ -15,29 +15,16 @@ from tlt.errors import ConfigError, TrainingError
 from tlt.rl import GRPOTrainer, TrainConfig
 from tlt.rl.run import train
 
+from rl_fixtures import save_tiny_policy, tiny_config
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tlt.model import ModelConfig, Transformer
-    from tlt.tasks import CharTokenizer
-
-    folder = tmp_path_factory.mktemp("dp-model")
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    model.save_pretrained(folder)
-    CharTokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_policy(tmp_path_factory.mktemp("dp-model"))
 
 
 def config(model_dir, **overrides):
-    fields = dict(model=str(model_dir), drafter=None, speculative="off", workers=1, reward="reward_fixtures:digit_fraction",
-                  train_problems=64, prompts_per_step=4, group_size=4, max_response_tokens=12, eval_problems=4,
-                  eval_samples=2, eval_every=0, save_every=0, lr=1e-2, steps=3)
-    fields.update(overrides)
-    return TrainConfig(**fields)
+    return tiny_config(model_dir, **overrides)
 
 
 def _episodes(trainer):

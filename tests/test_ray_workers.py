@@ -8,25 +8,18 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tlt.model import ModelConfig, Transformer  # noqa: E402
 from tlt.rl.config import TrainConfig  # noqa: E402
 from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from tlt.spot.rollout import DrafterLearning, PooledRollout  # noqa: E402
 from tlt.spot.trainer import SpotConfig  # noqa: E402
 from tlt.spot.workers import RayPool, WorkerSpec, start_ray  # noqa: E402
 
+from rl_fixtures import save_tiny_policy  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tlt.tasks import CharTokenizer
-
-    folder = tmp_path_factory.mktemp("ray-model")
-    torch.manual_seed(0)
-    Transformer(ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(folder)
-    CharTokenizer().save_pretrained(folder)
+    folder = save_tiny_policy(tmp_path_factory.mktemp("ray-model"))
     start_ray(None, cpus=2)
     yield folder
     ray.shutdown()

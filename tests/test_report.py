@@ -5,7 +5,6 @@ import struct
 import sys
 
 import pytest
-import torch
 
 from tlt.cli import main
 from tlt.errors import ConfigError
@@ -29,16 +28,10 @@ def wandb_offline(monkeypatch, root):
 def runs(tmp_path_factory):
     """Two 2-step runs of one tiny model with eval every step: speculation on (ngram-d4) and off; the
     off run also logs to TensorBoard and to W&B offline through its TrainConfig."""
-    from tlt.model import ModelConfig, Transformer
-    from tlt.tasks import CharTokenizer
+    from rl_fixtures import save_tiny_policy
 
     root = tmp_path_factory.mktemp("report")
-    torch.manual_seed(0)
-    Transformer(ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(root / "model")
-    CharTokenizer().save_pretrained(root / "model")
+    save_tiny_policy(root / "model")
     common = dict(model=str(root / "model"), drafter=None, workers=1, reward="reward_fixtures:digit_fraction", train_problems=32,
                   prompts_per_step=4, group_size=4, max_response_tokens=16, eval_problems=4, eval_samples=2,
                   eval_every=1, save_every=0, lr=1e-2, steps=2)
