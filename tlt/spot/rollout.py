@@ -96,10 +96,6 @@ class LocalRollout:
         self.workers = 1
         self._last: dict = {}
 
-    @property
-    def tuner(self):
-        return self.engine.tuner
-
     def load_weights(self, state: dict, version: int) -> None:
         self.engine.load_weights(state, version)
 
@@ -116,29 +112,24 @@ class LocalRollout:
 
     def finish_step(self, step: int) -> dict:
         """Train in place when due (on the critical path: there is no idle worker). Returns drafter metrics."""
-        if self.learning is None or not self._last.get("due"):
-            return {}
-        from tlt.spot.buffer import sampled_batches
-        from tlt.spot.trainer import PhaseResult
+        if self.learning is None or not self._last.get("due") or self.local_steps == 0:
+            return {}  # local_steps=0: no training on the critical path at all
+        from dataclasses import replace
 
-        learning, c = self.learning, self.learning.config
+        from tlt.spot.buffer import sampled_batches
+
+        learning = self.learning
+        c = replace(learning.config, max_steps=self.local_steps)
         trainer = SpotTrainer(self.engine.drafter, c)
         if learning.state is not None:
             trainer.load_state_dict(learning.state)
-        records, weights = learning.payload()
-        entries = learning.buffer.entries
-        batches = sampled_batches(entries, weights, c.rows, c.row_tokens, c.window, c.seed + step)
-        done = {"n": 0}
-
-        def stop() -> bool:
-            done["n"] += 1
-            return done["n"] > self.local_steps
-
-        result: PhaseResult = trainer.train(batches, stop)
+        _, weights = learning.payload()
+        batches = sampled_batches(learning.buffer.entries, weights, c.rows, c.row_tokens, c.window, c.seed + step)
+        result = trainer.train(batches, lambda: False)
         report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": None, "worker": 0,
                   **{f"loss_{k}": v for k, v in result.metrics.items()}}
         learning.accept(trainer.state_dict(), report, step)
-        if self.engine.tuner is not None and result.steps:
+        if result.steps:  # the weights are in place already; this records the version and tells the tuner
             self.engine.load_drafter(learning.state["drafter"], learning.version)
         return report
 
@@ -164,10 +155,6 @@ class PooledRollout:
         self._training: tuple[int, object] | None = None
         self._drafter_version = 0  # the drafter version every worker holds
         self._phase = 0  # spot phases started
-
-    @property
-    def tuner(self):
-        return None  # one tuner per worker: see state()
 
     def load_weights(self, state: dict, version: int) -> None:
         self.pool.load_weights(state, version)
