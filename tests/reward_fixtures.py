@@ -45,3 +45,8 @@ def scaled_words(prompts, completions, scale=None, **_):
     scores 0, so a run whose rewards are all 0 never saw the column."""
     scales = scale if scale is not None else [None] * len(completions)
     return [0.0 if s is None else float(s) * len(c.split()) for c, s in zip(completions, scales)]
+
+
+def shortest_first(entries):
+    """A drafter-buffer sampling policy for tests: weight 1 / length (the opposite of the default)."""
+    return [1.0 / max(e.pairs, 1) for e in entries]

@@ -229,3 +229,18 @@ def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp
                                                     {"ngram-d4": 1.7}, {"chain-d4": 2.5, "ngram-d4": 1.6})]
     assert cold_start(strat)["overtake_step"] == 2
     assert cold_start(strat[:1])["overtake_step"] is None
+
+
+def test_buffer_policies_plug_in_by_import_path(model_dir):
+    c = config(model_dir, drafter="random", speculative="adaptive", drafter_train="every", drafter_min_pairs=1,
+               drafter_batch_tokens=128, drafter_window=32, drafter_local_steps=1, steps=1,
+               drafter_buffer_sample="reward_fixtures:shortest_first")
+    trainer = GRPOTrainer(c, log=lambda *_: None)
+    try:
+        trainer.train_step()
+        buffer = trainer.rollout_backend.learning.buffer
+        assert buffer.sample(buffer.entries) == [1.0 / e.pairs for e in buffer.entries]
+    finally:
+        trainer.close()
+    with pytest.raises(ConfigError, match="drafter_buffer_evict"):
+        GRPOTrainer(config(model_dir, drafter="random", speculative="adaptive", drafter_buffer_evict="nowhere:fn"))

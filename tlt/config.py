@@ -104,3 +104,20 @@ def build(cls: type[T], file: str | Path | None = None, overrides: list[str] = (
 
 def to_dict(config: Any) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def import_callable(spec: str, what: str):
+    """The function an import path `module:function` names; `what` names the setting in errors."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r}: expected an import path 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn

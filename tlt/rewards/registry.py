@@ -8,9 +8,9 @@ Built-in functions register under a short name in `REWARDS`; anything else is `m
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Sequence
 
+from tlt.config import import_callable
 from tlt.errors import ConfigError
 
 RewardFn = Callable[..., list[float]]
@@ -33,15 +33,7 @@ def get_reward(spec: str | RewardFn) -> RewardFn:
         return REWARDS[spec]
     if ":" not in spec:
         raise ConfigError(f"unknown reward {spec!r}: expected one of {sorted(REWARDS)} or an import path 'module:function'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")
-    return fn
+    return import_callable(spec, "reward")
 
 
 @register("arithmetic")

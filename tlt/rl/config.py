@@ -56,6 +56,8 @@ class TrainConfig:
     drafter_local_steps: int = 8  # optimizer steps per phase in-process (workers=1: on the critical path)
     drafter_buffer_mb: int = 256
     drafter_buffer_steps: int = 2  # policy versions the online buffer keeps
+    drafter_buffer_evict: str | None = None  # module:function, entries -> kept entries (None: the last steps)
+    drafter_buffer_sample: str | None = None  # module:function, entries -> weights (None: by length)
     drafter_fault: str | None = None  # drill: "W:K:N" kills worker W N engine steps into its K-th rollout
     # --- loss
     normalize_std: bool = True

@@ -100,7 +100,13 @@ class GRPOTrainer:
             else:
                 drafter_config = Drafter.load(drafter, self.policy).config
             root = self.run_dir / "drafter" if self.run_dir is not None else None
-            learning = DrafterLearning(c.spot(), drafter_config, root, log)
+            from tlt.config import import_callable
+
+            policies = {name: import_callable(spec, f"field {name!r}") if spec else None
+                        for name, spec in (("drafter_buffer_evict", c.drafter_buffer_evict),
+                                           ("drafter_buffer_sample", c.drafter_buffer_sample))}
+            learning = DrafterLearning(c.spot(), drafter_config, root, log, evict=policies["drafter_buffer_evict"],
+                                       sample=policies["drafter_buffer_sample"])
         if workers == 1:
             model = load_model(c.model)
             if drafter == "random":

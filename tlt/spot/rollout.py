@@ -31,13 +31,14 @@ class DrafterLearning:
     """Driver-side state of online drafter training (see the module docstring)."""
 
     def __init__(self, config: SpotConfig, drafter_config, checkpoint_root: str | Path | None = None,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, evict=None, sample=None) -> None:
         if drafter_config.feature_layers:
             raise ConfigError("online drafter training needs an EAGLE-1 drafter (last-layer features): rollout "
                               f"does not return the intermediate layers {drafter_config.feature_layers} an "
                               "EAGLE-3 drafter reads")
         self.config, self.drafter_config, self.log = config, drafter_config, log
-        self.buffer = OnlineBuffer(config.buffer_mb << 20, keep_recent(config.buffer_versions), favour_long(1.0))
+        self.buffer = OnlineBuffer(config.buffer_mb << 20, evict or keep_recent(config.buffer_versions),
+                                   sample or favour_long(1.0))
         self.schedule = Schedule(config)
         self.state: dict | None = None  # SpotTrainer.state_dict() of the newest phase
         self.checkpointer = DrafterCheckpointer(checkpoint_root) if checkpoint_root is not None else None
