@@ -29,7 +29,7 @@ PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 4], [1, 8, 3, 3, 3], [1, 6]]
 
 
 def params(long_first: bool = False):
-    return [SamplingParams(n=3, temperature=1.0, max_tokens=120 if (long_first and i == 0) else 24, ignore_eos=True,
+    return [SamplingParams(n=3, temperature=1.0, max_tokens=240 if (long_first and i == 0) else 24, ignore_eos=True,
                            seed=100 + i) for i in range(len(PROMPTS))]
 
 
@@ -93,7 +93,7 @@ def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir):
     config = SpotConfig(when="every", min_pairs=1, lr=3e-3, batch_tokens=128, rows=2, window=32)
     learning = DrafterLearning(config, DrafterConfig.for_target(load_model(model_dir)), None, log=lambda *_: None)
     pool = pool_of(model_dir, engine={"speculative": "adaptive"}, drafter="random")
-    rollout = PooledRollout(pool, learning, log=lambda *_: None)
+    rollout = PooledRollout(pool, learning, log=lambda *_: None, swap_every=1)
     try:
         _, first = rollout.generate(PROMPTS, params(long_first=True), 0, 0)
         assert rollout.finish_step(0) == {}  # the buffer was empty when the first rollout started
@@ -104,6 +104,8 @@ def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir):
         trainer = report["worker"]
         assert second["workers"]["training_s"][trainer] > 0
         assert report["steps"] >= 1 and learning.version == 1, report
+        # the tail worker took the trainer's drafter mid-rollout (hot swap)
+        assert report["offers"] >= 1 and second["workers"]["drafter_swaps"] >= 1, (report, second["workers"])
         assert report["stop_latency_s"] is not None and report["stop_latency_s"] < 5.0
         _, third = rollout.generate(PROMPTS, params(long_first=True), 0, 2)
         assert third["workers"]["drafter_version"] == 1

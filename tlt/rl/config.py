@@ -58,6 +58,7 @@ class TrainConfig:
     drafter_buffer_steps: int = 2  # policy versions the online buffer keeps
     drafter_buffer_evict: str | None = None  # module:function, entries -> kept entries (None: the last steps)
     drafter_buffer_sample: str | None = None  # module:function, entries -> weights (None: by length)
+    drafter_hot_swap_every: int = 0  # > 0: the spot trainer's drafter goes into tail workers every N optimizer steps
     drafter_fault: str | None = None  # drill: "W:K:N" kills worker W N engine steps into its K-th rollout
     # --- loss
     normalize_std: bool = True
@@ -107,7 +108,7 @@ class TrainConfig:
                 raise ConfigError(f"field {name!r} must be an integer >= 1, got {value!r}")
         for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "threads", "workers",
                      "worker_threads", "drafter_train_every", "drafter_min_pairs", "drafter_max_steps",
-                     "drafter_warmup_steps",
+                     "drafter_warmup_steps", "drafter_hot_swap_every",
                      "drafter_local_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

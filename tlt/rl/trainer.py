@@ -130,7 +130,7 @@ class GRPOTrainer:
                        gpus_per_worker=c.worker_gpus, log=log)
         log(f"rollout on {workers} Ray workers ({threads} thread(s) each)"
             + (f", drafter trained on released workers ({c.drafter_train})" if learning is not None else ""))
-        return PooledRollout(pool, learning, log)
+        return PooledRollout(pool, learning, log, swap_every=c.drafter_hot_swap_every)
 
     # --- data ------------------------------------------------------------------------------------------
     def _load_data(self) -> tuple[list[Example], list[Example]]:

@@ -148,8 +148,10 @@ class LocalRollout:
 
 
 class PooledRollout:
-    def __init__(self, pool, learning: DrafterLearning | None, log: Callable[[str], None] = print) -> None:
+    def __init__(self, pool, learning: DrafterLearning | None, log: Callable[[str], None] = print,
+                 swap_every: int = 0) -> None:
         self.pool, self.learning, self.log = pool, learning, log
+        self.swap_every = swap_every  # > 0: offer the drafter to tail workers every that many optimizer steps
         self.workers = len(pool)
         self.coordinator = Coordinator(len(pool))
         self.predictor = LengthPredictor()
@@ -203,8 +205,9 @@ class PooledRollout:
                 ref = ray.put(records)
                 seed = learning.config.seed + step
                 self._phase += 1
+                tail = [self.pool.actors[v] for v in coord.generating]
                 trainer = (w, self.pool.actors[w].train.remote(self._phase, learning.state, ref, weights,
-                                                               learning.config, seed))
+                                                               learning.config, seed, tail, self.swap_every))
         if trainer is not None:
             w, _ = trainer
             self.pool.actors[w].stop_training.options(concurrency_group="control").remote(self._phase)
@@ -217,7 +220,7 @@ class PooledRollout:
             self.predictor.observe(q, [len(c.token_ids) for c in out.outputs])
         stats = merge_stats([r[1] for r in results])
         stats["workers"] = {**coord.summary(), "shares": [len(s) for s in shares],
-                            "drafter_version": self._drafter_version}
+                            "drafter_version": self._drafter_version, "drafter_swaps": stats.get("drafter_swaps", 0)}
         if learning is not None:
             learning.schedule.observe(drafter_acceptance(stats))
             stats["workers"]["training_due"] = due

@@ -145,9 +145,11 @@ class SpotTrainer:
         self.version = 0  # drafter versions published (one per phase that stepped)
 
     def train(self, batches: Iterator[PackedBatch], should_stop: Callable[[], bool],
-              stop_requested_at: Callable[[], float | None] | None = None) -> PhaseResult:
+              stop_requested_at: Callable[[], float | None] | None = None,
+              after_step: Callable[[int], None] | None = None) -> PhaseResult:
         """Optimizer steps until `should_stop()` (checked before each) or `max_steps`. `stop_requested_at`
-        returns the perf_counter time of the stop request, to measure the preemption latency."""
+        returns the perf_counter time of the stop request, to measure the preemption latency;
+        `after_step(steps taken in this phase)` runs after each optimizer step."""
         from tlt.speculative.train import unrolled_loss
 
         c, loss_config = self.config, self.config.loss_config()
@@ -173,6 +175,8 @@ class SpotTrainer:
                 self.optimizer.step()
                 result.steps += 1
                 self.steps += 1
+                if after_step is not None:
+                    after_step(result.steps)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
         finally:

@@ -80,6 +80,7 @@ class RolloutWorker:
         self._stopped_phase = -1
         self._stop_at: dict[int, float] = {}
         self._lock = threading.Lock()
+        self._offer: tuple[dict, int] | None = None  # a drafter to swap in at the next engine step
 
     def ping(self) -> int:
         return os.getpid()
@@ -101,34 +102,48 @@ class RolloutWorker:
             self.engine.tuner.load_state_dict(state)
 
     def generate(self, prompts: list[list[int]], params: list, weights_version: int) -> tuple[list, dict]:
-        """(RequestOutputs, engine stats) of one share; hidden states come back as ordinary tensors."""
+        """(RequestOutputs, engine stats) of one share; hidden states come back as ordinary tensors.
+        Between engine steps a drafter offered by the spot trainer (`offer_drafter`) is swapped in."""
         fault = self.spec.fault
         armed = fault is not None and self.spec.incarnation == 0 and fault.get("rollout", 0) == self.rollouts
+        limit = int(fault.get("after_steps", 1)) if armed else None
         self.rollouts += 1
-        if armed:
-            limit = int(fault.get("after_steps", 1))
+        swaps = 0
 
-            def crash(engine) -> None:
-                if engine._stats.steps >= limit:
-                    os._exit(17)
+        def between_steps(engine) -> None:
+            nonlocal swaps
+            if limit is not None and engine._stats.steps >= limit:
+                os._exit(17)
+            offer, self._offer = self._offer, None
+            if offer is not None:
+                engine.load_drafter(*offer)
+                swaps += 1
 
-            self.engine.step_callback = crash
+        self.engine.step_callback = between_steps
         try:
             self.engine.reset_stats()
             outputs = self.engine.generate(prompts, params, weights_version=weights_version)
         finally:
             self.engine.step_callback = None
+            self._offer = None  # an offer that came too late is superseded by the next rollout's drafter
         for out in outputs:
             for c in out.outputs:
                 if c.hidden_states is not None:
                     c.hidden_states = c.hidden_states.clone().cpu()  # out of inference mode, off the device
-        return outputs, self.engine.stats()
+        return outputs, {**self.engine.stats(), "drafter_swaps": swaps}
+
+    def offer_drafter(self, state: dict, version: int) -> None:
+        """A newer drafter from the spot trainer, taken between two engine steps of the running rollout
+        (lossless whenever it lands: verification does not depend on the drafter)."""
+        self._offer = (state, version)
 
     # --- spot training -------------------------------------------------------------------------------
     def train(self, phase: int, state: dict | None, records: list, weights: list[float], config,
-              seed: int) -> tuple[dict, dict]:
+              seed: int, peers: Sequence = (), swap_every: int = 0) -> tuple[dict, dict]:
         """Train the engine's drafter on `records` until `stop_training(phase)` (or the config's
-        max_steps); returns (trainer state, phase report). The engine's drafter keeps the trained weights."""
+        max_steps); returns (trainer state, phase report). The engine's drafter keeps the trained weights.
+        With `swap_every` > 0 the drafter is offered to `peers` (the workers still in the tail, as Ray
+        actor handles) every that many optimizer steps."""
         from tlt.spot.buffer import Entry, sampled_batches
         from tlt.spot.trainer import SpotTrainer
 
@@ -140,9 +155,22 @@ class RolloutWorker:
             trainer.load_state_dict(state)
         entries = [Entry(r, 0, j) for j, r in enumerate(records)]
         batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
-        result = trainer.train(batches, lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase))
+        offered = 0
+
+        def after_step(steps: int) -> None:
+            nonlocal offered
+            if swap_every and peers and steps % swap_every == 0:
+                import ray
+
+                ref = ray.put(drafter.trainable_state())
+                for peer in peers:
+                    peer.offer_drafter.options(concurrency_group="control").remote(ref, trainer.version + 1)
+                offered += 1
+
+        result = trainer.train(batches, lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase),
+                               after_step)
         report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": result.stop_latency_s,
-                  "stopped": result.stopped, **{f"loss_{k}": v for k, v in result.metrics.items()}}
+                  "stopped": result.stopped, "offers": offered, **{f"loss_{k}": v for k, v in result.metrics.items()}}
         return trainer.state_dict(), report
 
     def stop_training(self, phase: int) -> None:
@@ -195,6 +223,7 @@ def merge_stats(parts: Sequence[dict]) -> dict:
     if not parts:
         return {}
     out = {k: sum(p[k] for p in parts) for k in ("steps", "prefill_tokens", "decode_tokens")}
+    out["drafter_swaps"] = sum(p.get("drafter_swaps", 0) for p in parts)
     for k in ("step_times_s", "batch_sizes", "strategies", "step_tokens"):
         out[k] = [x for p in parts for x in p[k]]
     out["wall_time_s"] = max(p["wall_time_s"] for p in parts)
