@@ -3,9 +3,12 @@ reader (or a crash) sees the old file or the new one, never a torn one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +39,22 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2) + "\n").encode())
+
+
+@contextlib.contextmanager
+def atomic_folder(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a hidden temporary folder beside `final` to fill; when the block ends without error it is
+    renamed to `final` (replacing a leftover of that name), otherwise removed. A crash at any moment
+    leaves either no `final` or a complete one."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-"))
+    try:
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the result is an ordinary folder
+        yield tmp
+        if final.exists():  # e.g. a checkpoint of this step from a run that died before moving on
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

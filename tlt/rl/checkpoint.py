@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from tlt.errors import CheckpointError
-from tlt.io import umask, atomic_write_bytes, atomic_write_json
+from tlt.io import atomic_folder, atomic_write_bytes, atomic_write_json
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -38,11 +36,8 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: dict, tuner_state: dict | None = None,
                     drafter=None, keep: int = 2) -> Path:
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(run_dir, step)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
-    try:
-        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the checkpoint is an ordinary folder
+    with atomic_folder(final) as tmp:
         policy.save_pretrained(tmp / "policy")
         tokenizer.save_pretrained(tmp / "policy")
         buffer = io.BytesIO()
@@ -52,12 +47,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: dict, tu
             atomic_write_json(tmp / "tuner.json", tuner_state)
         if drafter is not None:
             drafter.save(tmp / "drafter")
-        if final.exists():  # a checkpoint of this step from a run that died before moving on
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     atomic_write_json(root / "latest.json", {"step": step, "dir": final.name})
     steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir())
     for old in steps[:-keep]:

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -260,20 +259,11 @@ def _snapshot(state: dict) -> dict:
 
 
 def write_checkpoint(root: Path, snapshot: dict, drafter_config, extra: dict, keep: int = 2) -> Path:
-    from tlt.io import atomic_write_json, umask
+    from tlt.io import atomic_folder, atomic_write_json
 
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"drafter_{snapshot['version']:08d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
-    try:
-        os.chmod(tmp, 0o777 & ~umask())
+    with atomic_folder(final) as tmp:
         write_files(tmp, snapshot, drafter_config, extra)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     atomic_write_json(root / "latest.json", {"version": snapshot["version"], "dir": final.name})
     versions = sorted(p for p in root.glob("drafter_*") if p.is_dir())
     for old in versions[:-keep]:
