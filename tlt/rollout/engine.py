@@ -105,9 +105,20 @@ class EngineStats:
 
     def acceptance_length(self) -> float | None:
         """Tokens per row per speculative step (accepted drafts + 1), over all speculative steps."""
-        spec = [(t, b) for t, b, s in zip(self.step_tokens, self.batch_sizes, self.strategies) if s != "off"]
-        rows = sum(b for _, b in spec)
-        return sum(t for t, _ in spec) / rows if rows else None
+        return acceptance_length(self.as_lists())
+
+    def as_lists(self) -> dict:
+        return {"step_tokens": self.step_tokens, "batch_sizes": self.batch_sizes, "strategies": self.strategies}
+
+
+def acceptance_length(stats: dict, counted=lambda strategy: strategy != "off") -> float | None:
+    """Tokens emitted per row per step over the steps of `stats` (step_tokens, batch_sizes, strategies
+    lists) whose strategy `counted` accepts; None when there is none."""
+    tokens = rows = 0
+    for t, b, s in zip(stats.get("step_tokens", []), stats.get("batch_sizes", []), stats.get("strategies", [])):
+        if counted(s):
+            tokens, rows = tokens + t, rows + b
+    return tokens / rows if rows else None
 
 
 def sample_next(batch: LiveBatch, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeResult:

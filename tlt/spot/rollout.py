@@ -20,7 +20,7 @@ from pathlib import Path
 from tlt.errors import ConfigError
 from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
 from tlt.spot.coordinator import Coordinator
-from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer
+from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, run_phase
 from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
 
 
@@ -117,20 +117,12 @@ class LocalRollout:
             return {}  # local_steps=0: no training on the critical path at all
         from dataclasses import replace
 
-        from tlt.spot.buffer import sampled_batches
-
         learning = self.learning
-        c = replace(learning.config, max_steps=self.local_steps)
-        trainer = SpotTrainer(self.engine.drafter, c)
-        if learning.state is not None:
-            trainer.load_state_dict(learning.state)
-        _, weights = learning.payload()
-        batches = sampled_batches(learning.buffer.entries, weights, c.rows, c.row_tokens, c.window, c.seed + step)
-        result = trainer.train(batches, lambda: False)
-        report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": None, "worker": 0,
-                  **{f"loss_{k}": v for k, v in result.metrics.items()}}
-        learning.accept(trainer.state_dict(), report, step)
-        if result.steps:  # the weights are in place already; this records the version and tells the tuner
+        config = replace(learning.config, max_steps=self.local_steps)
+        records, weights = learning.payload()
+        state, report = run_phase(self.engine.drafter, learning.state, records, weights, config, config.seed + step)
+        learning.accept(state, {**report, "worker": 0}, step)
+        if report["steps"]:  # the weights are in place already; this records the version and tells the tuner
             self.engine.load_drafter(learning.state["drafter"], learning.version)
         return report
 

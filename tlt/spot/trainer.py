@@ -208,6 +208,25 @@ class SpotTrainer:
         self.steps, self.version = int(state["steps"]), int(state["version"])
 
 
+def run_phase(drafter, state: dict | None, records: list, weights: list[float], config: SpotConfig, seed: int,
+              should_stop: Callable[[], bool] = lambda: False, stop_requested_at=None,
+              after_step=None) -> tuple[dict, dict]:
+    """One spot phase on `drafter` (trained in place) from the trainer state `state` (None: fresh), over
+    `records` drawn by `weights`; returns (new trainer state, phase report). Where the phase runs, in
+    the driver or on a Ray worker, is the caller's business."""
+    from tlt.spot.buffer import Entry, sampled_batches
+
+    trainer = SpotTrainer(drafter, config)
+    if state is not None:
+        trainer.load_state_dict(state)
+    entries = [Entry(r, 0, j) for j, r in enumerate(records)]
+    batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
+    result = trainer.train(batches, should_stop, stop_requested_at, after_step)
+    report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": result.stop_latency_s,
+              "stopped": result.stopped, **{f"loss_{k}": v for k, v in result.metrics.items()}}
+    return trainer.state_dict(), report
+
+
 # --- checkpoints -----------------------------------------------------------------------------------
 class DrafterCheckpointer:
     """Asynchronous, atomic checkpoints of the spot trainer's state under `root`:

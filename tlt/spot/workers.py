@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tlt.errors import ConfigError
+from tlt.rollout.engine import acceptance_length
 
 
 @dataclass(frozen=True)
@@ -144,17 +145,12 @@ class RolloutWorker:
         max_steps); returns (trainer state, phase report). The engine's drafter keeps the trained weights.
         With `swap_every` > 0 the drafter is offered to `peers` (the workers still in the tail, as Ray
         actor handles) every that many optimizer steps."""
-        from tlt.spot.buffer import Entry, sampled_batches
-        from tlt.spot.trainer import SpotTrainer
+        from tlt.spot.trainer import run_phase
 
         drafter = self.engine.drafter
         if drafter is None:
             raise ConfigError("spot training needs a learned drafter in the engine")
-        trainer = SpotTrainer(drafter, config)
-        if state is not None:
-            trainer.load_state_dict(state)
-        entries = [Entry(r, 0, j) for j, r in enumerate(records)]
-        batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
+        version = state["version"] + 1 if state is not None else 1  # the version this phase will publish
         offered = 0
 
         def after_step(steps: int) -> None:
@@ -164,14 +160,12 @@ class RolloutWorker:
 
                 ref = ray.put(drafter.trainable_state())
                 for peer in peers:
-                    peer.offer_drafter.options(concurrency_group="control").remote(ref, trainer.version + 1)
+                    peer.offer_drafter.options(concurrency_group="control").remote(ref, version)
                 offered += 1
 
-        result = trainer.train(batches, lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase),
-                               after_step)
-        report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": result.stop_latency_s,
-                  "stopped": result.stopped, "offers": offered, **{f"loss_{k}": v for k, v in result.metrics.items()}}
-        return trainer.state_dict(), report
+        state, report = run_phase(drafter, state, records, weights, config, seed,
+                                  lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase), after_step)
+        return state, {**report, "offers": offered}
 
     def stop_training(self, phase: int) -> None:
         with self._lock:
@@ -229,9 +223,7 @@ def merge_stats(parts: Sequence[dict]) -> dict:
     out["wall_time_s"] = max(p["wall_time_s"] for p in parts)
     out["mean_step_time_s"] = sum(out["step_times_s"]) / max(len(out["step_times_s"]), 1)
     out["tokens_per_s"] = out["decode_tokens"] / out["wall_time_s"] if out["wall_time_s"] else 0.0
-    spec = [(t, b) for t, b, s in zip(out["step_tokens"], out["batch_sizes"], out["strategies"]) if s != "off"]
-    rows = sum(b for _, b in spec)
-    out["acceptance_length"] = sum(t for t, _ in spec) / rows if rows else None
+    out["acceptance_length"] = acceptance_length(out)
     return out
 
 
@@ -246,24 +238,15 @@ def rows_by_strategy(stats: dict) -> dict[str, int]:
 
 def acceptance_by_strategy(stats: dict) -> dict[str, float]:
     """Tokens per row per step of each speculative strategy that ran (accepted drafts + 1)."""
-    tokens: dict[str, int] = {}
-    for t, s in zip(stats.get("step_tokens", []), stats.get("strategies", [])):
-        if s != "off":
-            tokens[s] = tokens.get(s, 0) + t
-    rows = rows_by_strategy(stats)
-    return {s: tokens[s] / rows[s] for s in sorted(tokens)}
+    return {s: acceptance_length(stats, lambda x, s=s: x == s) for s in rows_by_strategy(stats)}
 
 
 def drafter_acceptance(stats: dict) -> float | None:
     """Tokens per row per step over the steps whose strategy used the learned drafter (chain, tree)."""
     from tlt.speculative.strategy import Strategy
 
-    names = {s for s in stats.get("strategies", []) if s != "off"}
-    learned = {s for s in names if Strategy.parse(s).uses_drafter}
-    spec = [(t, b) for t, b, s in zip(stats.get("step_tokens", []), stats.get("batch_sizes", []),
-                                      stats.get("strategies", [])) if s in learned]
-    rows = sum(b for _, b in spec)
-    return sum(t for t, _ in spec) / rows if rows else None
+    learned = {s for s in set(stats.get("strategies", [])) if s != "off" and Strategy.parse(s).uses_drafter}
+    return acceptance_length(stats, learned.__contains__)
 
 
 # --- the Ray pool ----------------------------------------------------------------------------------
