@@ -232,24 +232,14 @@ class GRPOTrainer:
         params = [SamplingParams(n=samples or c.group_size, temperature=0.0 if greedy else c.temperature,
                                  top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_response_tokens,
                                  seed=stream_seed(salt, c.seed, step, j)) for j in range(len(examples))]
-        if salt == "train":
-            outputs, stats = self.rollout_backend.generate(prompts, params, self.step, step)
-        else:  # eval: the same engines, but no drafter learning from held-out prompts
-            outputs, stats = self._generate_plain(prompts, params)
+        # eval runs on the same engines, but the drafter does not learn from held-out prompts
+        outputs, stats = self.rollout_backend.generate(prompts, params, self.step, step, learn=salt == "train")
         episodes = [
             Episode(j, ex, out.prompt_token_ids, comp.token_ids, comp.logprobs, comp.finish_reason,
                     self.tokenizer.decode(comp.token_ids), acceptance_length=comp.acceptance_length)
             for j, (ex, out) in enumerate(zip(examples, outputs)) for comp in out.outputs
         ]
         return episodes, stats
-
-    def _generate_plain(self, prompts, params):
-        backend = self.rollout_backend
-        learning, backend.learning = backend.learning, None
-        try:
-            return backend.generate(prompts, params, self.step, -1)
-        finally:
-            backend.learning = learning
 
     def score(self, episodes: list[Episode]) -> None:
         keys = sorted({k for e in episodes for k in e.example.columns})

@@ -95,25 +95,27 @@ class LocalRollout:
     def __init__(self, engine, learning: DrafterLearning | None, local_steps: int = 8) -> None:
         self.engine, self.learning, self.local_steps = engine, learning, local_steps
         self.workers = 1
-        self._last: dict = {}
+        self._due = False  # the last training rollout asked for a phase
 
     def load_weights(self, state: dict, version: int) -> None:
         self.engine.load_weights(state, version)
 
-    def generate(self, prompts, params, weights_version: int, step: int):
+    def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True):
+        """The step's outputs and engine stats; with `learn`, their features go to the drafter's buffer."""
+        learning = self.learning if learn else None
         self.engine.reset_stats()
-        outputs = self.engine.generate(prompts, wants_hidden(params, self.learning), weights_version=weights_version)
+        outputs = self.engine.generate(prompts, wants_hidden(params, learning), weights_version=weights_version)
         stats = self.engine.stats()
-        self._last = {"due": False}
-        if self.learning is not None:
-            self.learning.add(outputs, weights_version)
-            self.learning.schedule.observe(drafter_acceptance(stats))
-            self._last["due"] = self.learning.due(step)
+        if learning is not None:
+            learning.add(outputs, weights_version)
+            learning.schedule.observe(drafter_acceptance(stats))
+            self._due = learning.due(step)
         return outputs, stats
 
     def finish_step(self, step: int) -> dict:
         """Train in place when due (on the critical path: there is no idle worker). Returns drafter metrics."""
-        if self.learning is None or not self._last.get("due") or self.local_steps == 0:
+        due, self._due = self._due, False
+        if self.learning is None or not due or self.local_steps == 0:
             return {}  # local_steps=0: no training on the critical path at all
         from dataclasses import replace
 
@@ -154,14 +156,15 @@ class PooledRollout:
     def load_weights(self, state: dict, version: int) -> None:
         self.pool.load_weights(state, version)
 
-    def generate(self, prompts, params, weights_version: int, step: int):
+    def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True):
+        """The step's outputs (in prompt order) and merged stats; with `learn`, released workers train."""
         ray = self.pool.ray
         from ray.exceptions import RayActorError
 
-        learning, coord = self.learning, self.coordinator
-        if learning is not None and learning.version != self._drafter_version:
-            self.pool.load_drafter(learning.state["drafter"], learning.version)
-            self._drafter_version = learning.version
+        learning, coord = self.learning if learn else None, self.coordinator
+        if self.learning is not None and self.learning.version != self._drafter_version:
+            self.pool.load_drafter(self.learning.state["drafter"], self.learning.version)
+            self._drafter_version = self.learning.version
         params = wants_hidden(params, learning)
         costs = [p.n * self.predictor.predict(q) for q, p in zip(prompts, params)]
         shares = assign(costs, self.workers)
