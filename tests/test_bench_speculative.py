@@ -34,17 +34,25 @@ def tiny_folders(tmp_path):
     return model_dir, drafter_dir
 
 
+def test_a_run_covers_whole_batches_of_at_least_the_requested_prompts():
+    prompts = list(range(10))
+    assert speculative.batches_of(prompts, 1, 3) == [[0], [1], [2]]
+    assert speculative.batches_of(prompts, 2, 3) == [[0, 1], [2, 3]]
+    assert speculative.batches_of(prompts, 4, 3) == [[0, 1, 2, 3]]
+
+
 def test_measure_runs_every_strategy_and_fills_the_record(tiny_folders, tmp_path):
     model_dir, drafter_dir = tiny_folders
     record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1, 2], strategies=STRATEGIES, max_tokens=16,
-                                 repeats=1, skip_hf=True, command=["tlt", "bench", "speculative"], log=lambda s: None)
+                                 repeats=1, skip_hf=True, prompts_per_run=2, command=["tlt", "bench", "speculative"], log=lambda s: None)
     atomic_write_json(tmp_path / "bench.json", record)
     record = json.loads((tmp_path / "bench.json").read_text())
 
     assert set(record) == {"config", "rows", "ratios"}
     config = record["config"]
     assert config["command"] == "tlt bench speculative"
-    assert (config["batch_sizes"], config["strategies"], config["max_tokens"]) == ([1, 2], STRATEGIES, 16)
+    assert (config["batch_sizes"], config["strategies"], config["max_tokens"], config["prompts_per_run"]) == (
+        [1, 2], STRATEGIES, 16, 2)
     assert [(r["batch"], r["strategy"]) for r in record["rows"]] == [(b, s) for b in (1, 2) for s in STRATEGIES]
     for row in record["rows"]:
         assert {"batch", "strategy", "acceptance_length", "tokens_per_s", "speedup_vs_off", "wall_s", "tokens"} <= set(row)

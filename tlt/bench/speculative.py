@@ -1,8 +1,9 @@
 """Speculative decoding by batch size: every strategy against plain decoding, and transformers' assisted generation.
 
-The workload is the built-in task at temperature 1.0: batch b is b distinct eval-split prompts, one
-sample each, every response running to its end-of-sequence token, so the live batch starts at b and
-shrinks. For each batch size every strategy (`off` is plain decoding) runs on the same prompts with
+The workload is the built-in task at temperature 1.0: a run at batch b generates `--prompts` distinct
+eval-split prompts (at least b), one sample each, as consecutive batches of b, every response running
+to its end-of-sequence token, so the live batch of each starts at b and shrinks. Covering several
+prompts keeps a small batch's figure from resting on one short response. For each batch size every strategy (`off` is plain decoding) runs on the same prompts with
 the same per-request seeds, each run in a fresh engine; within a repeat the strategies alternate, and
 the order rotates every repeat, so machine noise hits all of them. Each figure is the median of
 `--repeats` runs (one short untimed warm-up per system first). speedup_vs_off is a strategy's median
@@ -52,13 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=_positive_int, default=640)
     parser.add_argument("--repeats", type=_positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
+    parser.add_argument("--prompts", type=_positive_int, default=8,
+                        help="prompts per run at each batch size (at least the batch size), as consecutive batches")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 
 
 # --- systems: each run returns {"wall_s", "tokens", "acceptance_length"} ------------------------------
-def run_engine(model, drafter, prompts: list[list[int]], strategy: str, temperature: float, max_tokens: int,
+def batches_of(prompts: list, b: int, total: int) -> list[list]:
+    """The first max(b, total) prompts (rounded up to whole batches) as consecutive batches of b."""
+    return [prompts[i : i + b] for i in range(0, covered(b, total), b)]
+
+
+def covered(b: int, total: int) -> int:
+    return -(-max(b, total) // b) * b
+
+
+def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, temperature: float, max_tokens: int,
                repeat: int) -> dict:
     from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
 
@@ -67,36 +79,40 @@ def run_engine(model, drafter, prompts: list[list[int]], strategy: str, temperat
     else:
         config = EngineConfig(progress=False, speculative="on", strategy=strategy, drafter=drafter)
     engine = RolloutEngine(model, config=config)
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=repeat * 1000 + i)
-              for i in range(len(prompts))]
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    wall = tokens = 0
+    for k, prompts in enumerate(batches):
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=repeat * 1000 + k * len(prompts) + i)
+                  for i in range(len(prompts))]
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        wall += time.perf_counter() - start
+        tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"wall_s": wall, "tokens": tokens, "acceptance_length": engine.stats()["acceptance_length"]}
 
 
-def run_hf(hf_model, prompt: list[int], temperature: float, max_tokens: int, eos_id: int, pad_id: int,
+def run_hf(hf_model, batches: list[list[list[int]]], temperature: float, max_tokens: int, eos_id: int, pad_id: int,
            repeat: int, assistant=None) -> dict:
-    """One `generate` on one prompt (batch 1: no padding); with `assistant`, assisted generation."""
+    """One `generate` per prompt (batch 1: no padding); with `assistant`, assisted generation."""
     import torch
 
-    ids = torch.tensor([prompt])
     forwards = []
     hook = hf_model.register_forward_hook(lambda *_: forwards.append(1))
     extra = {"assistant_model": assistant} if assistant is not None else {}
-    torch.manual_seed(repeat)
+    wall = tokens = 0
     try:
-        start = time.perf_counter()
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0, temperature=temperature or None,
-            top_k=0, top_p=1.0, max_new_tokens=max_tokens, eos_token_id=eos_id, pad_token_id=pad_id, **extra,
-        )
-        wall = time.perf_counter() - start
+        for k, (prompt,) in enumerate(batches):
+            ids = torch.tensor([prompt])
+            torch.manual_seed(repeat * 1000 + k)
+            start = time.perf_counter()
+            out = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0, temperature=temperature or None,
+                top_k=0, top_p=1.0, max_new_tokens=max_tokens, eos_token_id=eos_id, pad_token_id=pad_id, **extra,
+            )
+            wall += time.perf_counter() - start
+            new = out[0, len(prompt):].tolist()
+            tokens += new.index(eos_id) + 1 if eos_id in new else len(new)
     finally:
         hook.remove()
-    new = out[0, len(prompt):].tolist()
-    tokens = new.index(eos_id) + 1 if eos_id in new else len(new)
     return {"wall_s": wall, "tokens": tokens,
             "acceptance_length": tokens / len(forwards) if assistant is not None and forwards else None}
 
@@ -126,6 +142,7 @@ def measure(
     repeats: int = 3,
     seed: int = 0,
     skip_hf: bool = False,
+    prompts_per_run: int = 8,
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> dict[str, Any]:
@@ -150,7 +167,7 @@ def measure(
     model, tokenizer = load_model(folder), load_tokenizer(folder)
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
     drafter = Drafter.load(drafter_path, model) if needs_drafter else None
-    problems = ArithmeticTask().sample(max(batch_sizes), seed=seed, split="eval")
+    problems = ArithmeticTask().sample(max(covered(b, prompts_per_run) for b in batch_sizes), seed=seed, split="eval")
     prompts = [tokenizer.encode(p.prompt) for p in problems]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
@@ -165,11 +182,11 @@ def measure(
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-            hf_systems[HF] = lambda batch, n, r: run_hf(hf_model, batch[0], temperature, n, eos, pad, r)
+            hf_systems[HF] = lambda batch, n, r: run_hf(hf_model, batch, temperature, n, eos, pad, r)
             try:
                 small = truncated_copy(model, ASSISTANT_LAYERS, Path(scratch.name) / "assistant")
                 assistant = AutoModelForCausalLM.from_pretrained(str(small), dtype=torch.float32).eval()
-                hf_systems[HF_ASSISTED] = lambda batch, n, r: run_hf(hf_model, batch[0], temperature, n, eos, pad,
+                hf_systems[HF_ASSISTED] = lambda batch, n, r: run_hf(hf_model, batch, temperature, n, eos, pad,
                                                                      r, assistant)
             except Exception as exc:  # transformers' assisted generation is not ours to debug here
                 errors[HF_ASSISTED] = f"{type(exc).__name__}: {exc}"
@@ -189,7 +206,7 @@ def measure(
         plan = {b: dict(systems) for b in batch_sizes}
         if hf_systems:
             plan.setdefault(1, {}).update(hf_systems)
-        warm = prompts[: min(batch_sizes)]
+        warm = [prompts[: min(batch_sizes)]]
         for name, fn in {**systems, **hf_systems}.items():  # warm-up, not timed
             attempt(name, fn, warm, min(max_tokens, WARMUP_TOKENS), -1)
         log(f"speculative bench: batch sizes {list(batch_sizes)}, temperature {temperature}, max {max_tokens} tokens, "
@@ -200,7 +217,7 @@ def measure(
             for r in range(repeats):
                 for k in range(len(names)):  # rotate the order every repeat
                     name = names[(k + r) % len(names)]
-                    out = attempt(name, here[name], prompts[:b], max_tokens, r)
+                    out = attempt(name, here[name], batches_of(prompts, b, prompts_per_run), max_tokens, r)
                     if out is not None:
                         results.setdefault((b, name), []).append(out)
                         log(f"  batch {b:3d} run {r + 1}: {name:20s} {out['wall_s']:7.2f}s {out['tokens']:6d} tokens")
@@ -210,7 +227,7 @@ def measure(
         "command": shlex.join(command if command is not None else sys.argv),
         "model": str(model_path), "drafter": str(drafter_path) if needs_drafter else None,
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
-        "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "skip_hf": skip_hf,
+        "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
     }
@@ -288,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
-                     args.repeats, args.seed, args.skip_hf)
+                     args.repeats, args.seed, args.skip_hf, args.prompts)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size")
