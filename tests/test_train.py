@@ -244,3 +244,53 @@ def test_buffer_policies_plug_in_by_import_path(model_dir):
         trainer.close()
     with pytest.raises(ConfigError, match="drafter_buffer_evict"):
         GRPOTrainer(config(model_dir, drafter="random", speculative="adaptive", drafter_buffer_evict="nowhere:fn"))
+
+
+def test_resume_with_drafter_training_trains_on_the_saved_buffer(model_dir, tmp_path):
+    """With the online buffer in the checkpoint, the step after a resume trains the drafter on the data the
+    uninterrupted run had (same loss, same drafter, same acceptance); without it (the control) the
+    resumed buffer holds only the newest rollout."""
+    def comparable(row):
+        timing = ("tokens_per_s", "eval_time_s", "drafter_phase_s", "drafter_stop_latency_s")
+        return {k: v for k, v in row.items() if not k.startswith("time_") and k not in timing}
+
+    fields = dict(drafter="random", speculative="on", strategy="tree-d3-k2-v4", drafter_train="every",
+                  drafter_min_pairs=1, drafter_batch_tokens=128, drafter_window=32, drafter_local_steps=2,
+                  steps=3, save_every=1, eval_every=0, max_response_tokens=24)
+    whole = train(config(model_dir, **fields), tmp_path / "whole", log=lambda *_: None).metrics
+    for saved in (True, False):
+        run = tmp_path / f"buffer-{saved}"
+        c = config(model_dir, drafter_buffer_checkpoint=saved, **fields)
+        train(c, run, log=lambda *_: None, stop_after=2)
+        folder = latest_checkpoint(run)
+        assert (folder / "drafter_buffer" / "buffer.safetensors").is_file() == saved
+        resumed = train(c, run, resume=True, log=lambda *_: None).metrics
+        if saved:
+            assert comparable(resumed[-1]) == comparable(whole[-1])
+        else:
+            assert resumed[-1]["drafter_buffer_pairs"] < whole[-1]["drafter_buffer_pairs"]
+            assert resumed[-1]["drafter_top1"] != whole[-1]["drafter_top1"]
+
+
+def test_online_buffer_round_trips_and_names_a_bad_file(tmp_path):
+    from tlt.errors import CheckpointError
+    from tlt.speculative.data import DraftRecord
+    from tlt.spot.buffer import OnlineBuffer
+
+    buffer = OnlineBuffer(max_bytes=1 << 20)
+    big = torch.randn(10, 4)
+    buffer.add([DraftRecord(torch.arange(6), big[:6], 2), DraftRecord(torch.arange(4), big[6:], 1)], version=3)
+    buffer.add([DraftRecord(torch.arange(5), torch.randn(5, 4), 3)], version=4)
+    buffer.save(tmp_path / "b")
+    again = OnlineBuffer(max_bytes=1 << 20)
+    again.load(tmp_path / "b")
+    assert [(e.version, e.order, e.record.prompt_len) for e in again.entries] == \
+           [(e.version, e.order, e.record.prompt_len) for e in buffer.entries]
+    for a, b in zip(again.entries, buffer.entries):
+        assert torch.equal(a.record.tokens, b.record.tokens) and torch.equal(a.record.features, b.record.features)
+    assert again.stats() == buffer.stats()
+    index = json.loads((tmp_path / "b" / "buffer.json").read_text())
+    index["entries"][1].pop("prompt_len")
+    (tmp_path / "b" / "buffer.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"buffer\.json: entry 1 has no 'prompt_len'"):
+        again.load(tmp_path / "b")

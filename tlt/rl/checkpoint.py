@@ -9,6 +9,8 @@ Layout of a run directory:
         trainer_state.pt     optimizer, torch and Python RNG states, step, policy version, data position
         tuner.json           the adaptive engine's tuner, when there is one
         drafter/             the drafter, when it is trained during the run
+        drafter_buffer/      the online buffer it trains on (buffer.safetensors, buffer.json), unless
+                             drafter_buffer_checkpoint=false
     tensorboard/, wandb/     TensorBoard events and the W&B run, when asked (wandb_run.json holds its id)
     report/                  `tlt report`: figures and report.md
 A checkpoint is written into a hidden temporary folder and renamed into place, then `latest.json` is
@@ -34,7 +36,7 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: dict, tuner_state: dict | None = None,
-                    drafter=None, keep: int = 2) -> Path:
+                    drafter=None, keep: int = 2, online_buffer=None) -> Path:
     root = run_dir / "checkpoints"
     final = checkpoint_dir(run_dir, step)
     with atomic_folder(final) as tmp:
@@ -47,6 +49,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: dict, tu
             atomic_write_json(tmp / "tuner.json", tuner_state)
         if drafter is not None:
             drafter.save(tmp / "drafter")
+        if online_buffer is not None:
+            online_buffer.save(tmp / "drafter_buffer")
     atomic_write_json(root / "latest.json", {"step": step, "dir": final.name})
     steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir())
     for old in steps[:-keep]:

@@ -58,6 +58,7 @@ class TrainConfig:
     drafter_buffer_steps: int = 2  # policy versions the online buffer keeps
     drafter_buffer_evict: str | None = None  # module:function, entries -> kept entries (None: the last steps)
     drafter_buffer_sample: str | None = None  # module:function, entries -> weights (None: by length)
+    drafter_buffer_checkpoint: bool = True  # run checkpoints carry the online buffer: resume trains on the same data
     drafter_hot_swap_every: int = 0  # > 0: the spot trainer's drafter goes into tail workers every N optimizer steps
     drafter_fault: str | None = None  # drill: "W:K:N" kills worker W N engine steps into its K-th rollout
     # --- loss

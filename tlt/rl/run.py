@@ -48,6 +48,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             trainer.load_state_dict(load_state(folder), read_tensors(folder / "policy"), tuner)
             if (folder / "drafter").is_dir():
                 trainer.load_drafter_checkpoint(folder / "drafter")
+            if (folder / "drafter_buffer").is_dir():
+                trainer.load_drafter_buffer(folder / "drafter_buffer")
             log(f"resumed {run_dir} from {folder.name} (step {trainer.step})")
         keep_until = trainer.step
     metrics = MetricsLog(run_dir, c.tensorboard, keep_until=keep_until,
@@ -69,7 +71,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             log(table_row(row))
             if c.save_every and (trainer.step % c.save_every == 0 or trainer.step == c.steps):
                 save_checkpoint(run_dir, trainer.step, trainer.policy, trainer.tokenizer, trainer.state_dict(),
-                                trainer.rollout_state(), drafter=trainer.drafter_snapshot(), keep=c.keep_checkpoints)
+                                trainer.rollout_state(), drafter=trainer.drafter_snapshot(), keep=c.keep_checkpoints,
+                                online_buffer=trainer.drafter_buffer())
             done += 1
     finally:
         metrics.close()

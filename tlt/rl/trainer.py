@@ -409,6 +409,18 @@ class GRPOTrainer:
         if self.engine is not None:
             self.engine.load_drafter(learning.state["drafter"], learning.version)
 
+    def drafter_buffer(self):
+        """The online buffer to save with a checkpoint (None: no drafter training, or not asked)."""
+        learning = getattr(self.rollout_backend, "learning", None)
+        return learning.buffer if learning is not None and self.config.drafter_buffer_checkpoint else None
+
+    def load_drafter_buffer(self, folder: Path) -> None:
+        learning = getattr(self.rollout_backend, "learning", None)
+        if learning is None:
+            self.log(f"{folder}: the run is resumed without drafter training; its online buffer is not loaded")
+            return
+        learning.buffer.load(folder)
+
     def rollout_state(self) -> dict:
         """The rollout side's state for a checkpoint: every worker's tuner."""
         return self.rollout_backend.state()

@@ -10,6 +10,10 @@ default `keep_recent(2)` keeps the responses of the last two policy versions, be
 describe a policy the drafter no longer has to follow. Then the byte bound drops the oldest entries
 (lowest version, then first added) until the features and tokens fit `max_bytes`.
 
+Persistence. `save(folder)` / `load(folder)` write and read the entries exactly (tokens, features,
+versions, arrival order, counters) as one safetensors file and a JSON index, so a resumed run trains
+its drafter on the very data the uninterrupted run would have.
+
 Sampling. The sampling policy (a callable: entries -> one weight each) sets how often a response's
 window is drawn into a training row. The default `favour_long(1.0)` weights a response by its
 length, so every token is equally likely and the long responses, which are the long tail and take
@@ -19,9 +23,11 @@ of a response, packed back to back into rows with attention blocked across them 
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from tlt.errors import ConfigError
 from tlt.speculative.data import DraftRecord, PackedBatch, Pairs, fill_rows, pack, record_pairs
@@ -44,6 +50,7 @@ class Entry:
         return total + (0 if r.layers is None else r.layers.numel() * r.layers.element_size())
 
 
+BUFFER_FORMAT = "tlt-online-buffer-1"
 EvictionPolicy = Callable[[Sequence[Entry]], list[Entry]]
 SamplingPolicy = Callable[[Sequence[Entry]], list[float]]
 
@@ -124,6 +131,58 @@ class OnlineBuffer:
     def stats(self) -> dict:
         return {"responses": len(self.entries), "pairs": self.pairs, "bytes": self.nbytes,
                 "versions": self.versions, "evicted": self.evicted}
+
+    # --- persistence ---------------------------------------------------------------------------------
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write the entries to folder/buffer.safetensors and folder/buffer.json (atomically each)."""
+        import torch
+        from safetensors.torch import save
+
+        from tlt.io import atomic_write_bytes, atomic_write_json
+
+        folder = Path(folder)
+        tensors = {}
+        for j, e in enumerate(self.entries):
+            # copies: a record's tensors may be views into a larger rollout tensor, which safetensors refuses
+            tensors[f"{j}.tokens"] = e.record.tokens.detach().to("cpu", torch.long).clone()
+            tensors[f"{j}.features"] = e.record.features.detach().cpu().clone()
+            if e.record.layers is not None:
+                tensors[f"{j}.layers"] = e.record.layers.detach().cpu().clone()
+        index = {"format": BUFFER_FORMAT, "arrivals": self._arrivals, "evicted": self.evicted,
+                 "entries": [{"version": e.version, "order": e.order, "prompt_len": int(e.record.prompt_len),
+                              "layer_ids": list(e.record.layer_ids)} for e in self.entries]}
+        atomic_write_bytes(folder / "buffer.safetensors", save(tensors, metadata={"format": "pt"}))
+        atomic_write_json(folder / "buffer.json", index)
+
+    def load(self, folder: str | os.PathLike) -> None:
+        """Replace the entries with those `save` wrote to `folder`; errors name the file and what is wrong."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from tlt.errors import CheckpointError
+        from tlt.model.checkpoint import read_json
+
+        folder = Path(folder)
+        index_path, weights = folder / "buffer.json", folder / "buffer.safetensors"
+        index = read_json(index_path)
+        if index.get("format") != BUFFER_FORMAT:
+            raise CheckpointError(f"{index_path}: field 'format' is {index.get('format')!r}, expected {BUFFER_FORMAT!r}")
+        try:
+            tensors = load_file(str(weights))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{weights}: cannot read the buffer's tensors ({exc})") from None
+        entries = []
+        for j, meta in enumerate(index.get("entries", [])):
+            try:
+                tokens, features = tensors[f"{j}.tokens"], tensors[f"{j}.features"]
+                record = DraftRecord(tokens, features, int(meta["prompt_len"]), tensors.get(f"{j}.layers"),
+                                     tuple(meta.get("layer_ids", ())))
+                entries.append(Entry(record, int(meta["version"]), int(meta["order"])))
+            except KeyError as exc:
+                raise CheckpointError(f"{index_path}: entry {j} has no {exc.args[0]!r} in {weights.name} or the index") from None
+            if features.shape[0] != tokens.shape[0]:
+                raise CheckpointError(f"{weights}: entry {j} has {tokens.shape[0]} tokens but {features.shape[0]} feature rows")
+        self.entries, self._arrivals, self.evicted = entries, int(index["arrivals"]), int(index["evicted"])
 
 
 def sampled_batches(entries: Sequence[Entry], weights: Sequence[float], rows: int, row_tokens: int,
