@@ -125,6 +125,23 @@ def test_bad_config_names_the_key(tmp_path):
         from_dict(TrainConfig, {"lr": "fast"})
     with pytest.raises(ConfigError, match="strategy"):
         TrainConfig(speculative="on")
+    with pytest.raises(ConfigError, match="field 'device' must be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        from_dict(TrainConfig, {"device": "gpu"})
+
+
+def test_device_is_resolved_at_start(model_dir):
+    from tlt.device import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():  # a missing GPU fails at start, naming the field
+        with pytest.raises(ConfigError, match="field 'device' is 'cuda:0' but torch sees no CUDA device"):
+            GRPOTrainer(config(model_dir, device="cuda:0"))
+    trainer = GRPOTrainer(config(model_dir, device="cpu"))
+    try:
+        assert trainer.policy.device.type == trainer.engine.model.device.type == "cpu"
+    finally:
+        trainer.close()
 
 
 def test_unknown_reward_fails_at_start(model_dir):

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from tlt.device import synchronize
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default")
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--drafter", default="default", help="drafter for speculative systems")
     parser.add_argument("--strategies", default="",
@@ -74,7 +77,7 @@ def run_hf(hf_model, prompts, args, eos_id: int, pad_id: int, repeat: int) -> di
     import torch
 
     width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=hf_model.device)
     mask = (ids != pad_id).long()
     torch.manual_seed(repeat)
     start = time.perf_counter()
@@ -83,6 +86,7 @@ def run_hf(hf_model, prompts, args, eos_id: int, pad_id: int, repeat: int) -> di
         top_k=0, top_p=1.0, max_new_tokens=args.max_tokens, num_return_sequences=args.samples,
         eos_token_id=eos_id, pad_token_id=pad_id,
     )
+    synchronize(hf_model.device)
     wall = time.perf_counter() - start
     new = out[:, width:]
     lengths = []
@@ -124,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = resolve_model_path(args.model)
-    model, tokenizer = load_model(folder), load_tokenizer(folder)
+    from tlt.device import resolve_device
+
+    device = resolve_device(args.device, "--device")
+    model, tokenizer = load_model(folder, device=device), load_tokenizer(folder)
     from tlt.rollout import EngineConfig
     from tlt.speculative import Drafter
 
@@ -148,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
         systems["hf"] = lambda r: run_hf(hf_model, prompts, args, tokenizer.eos_token_id, tokenizer.pad_token_id, r)
     print(f"rollout bench: {args.prompts} prompts x {args.samples} samples, temperature {args.temperature}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}", file=sys.stderr)
@@ -196,6 +203,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         atomic_write_json(Path(args.json), {
             "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-            "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios,
+            "threads": torch.get_num_threads(), "device": str(device), "rows": rows, "ratios": ratios,
         })
     return 0

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
+from tlt.device import synchronize
 
 STRATEGIES = ("off", "chain-d4", "tree-d6-k4-v24", "tree-d8-k4-v48", "ngram-d4")
 ASSISTANT_LAYERS = 2
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=_positive_int, default=8,
                         help="prompts per run at each batch size (at least the batch size), as consecutive batches")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 
@@ -101,13 +103,14 @@ def run_hf(hf_model, batches: list[list[list[int]]], temperature: float, max_tok
     wall = tokens = 0
     try:
         for k, (prompt,) in enumerate(batches):
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=hf_model.device)
             torch.manual_seed(repeat * 1000 + k)
             start = time.perf_counter()
             out = hf_model.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0, temperature=temperature or None,
                 top_k=0, top_p=1.0, max_new_tokens=max_tokens, eos_token_id=eos_id, pad_token_id=pad_id, **extra,
             )
+            synchronize(hf_model.device)
             wall += time.perf_counter() - start
             new = out[0, len(prompt):].tolist()
             tokens += new.index(eos_id) + 1 if eos_id in new else len(new)
@@ -143,6 +146,7 @@ def measure(
     seed: int = 0,
     skip_hf: bool = False,
     prompts_per_run: int = 8,
+    device: str = "cpu",
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> dict[str, Any]:
@@ -164,7 +168,10 @@ def measure(
     if "off" not in strategies:
         raise ConfigError("--strategies must include 'off', the baseline of speedup_vs_off")
     folder = resolve_model_path(model_path)
-    model, tokenizer = load_model(folder), load_tokenizer(folder)
+    from tlt.device import resolve_device
+
+    device = resolve_device(device, "--device")
+    model, tokenizer = load_model(folder, device=device), load_tokenizer(folder)
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
     drafter = Drafter.load(drafter_path, model) if needs_drafter else None
     problems = ArithmeticTask().sample(max(covered(b, prompts_per_run) for b in batch_sizes), seed=seed, split="eval")
@@ -181,11 +188,11 @@ def measure(
         if not skip_hf:
             from transformers import AutoModelForCausalLM
 
-            hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+            hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
             hf_systems[HF] = lambda batch, n, r: run_hf(hf_model, batch, temperature, n, eos, pad, r)
             try:
                 small = truncated_copy(model, ASSISTANT_LAYERS, Path(scratch.name) / "assistant")
-                assistant = AutoModelForCausalLM.from_pretrained(str(small), dtype=torch.float32).eval()
+                assistant = AutoModelForCausalLM.from_pretrained(str(small), dtype=torch.float32).to(device).eval()
                 hf_systems[HF_ASSISTED] = lambda batch, n, r: run_hf(hf_model, batch, temperature, n, eos, pad,
                                                                      r, assistant)
             except Exception as exc:  # transformers' assisted generation is not ours to debug here
@@ -228,7 +235,7 @@ def measure(
         "model": str(model_path), "drafter": str(drafter_path) if needs_drafter else None,
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
     }
     return {"config": config, "rows": rows, "ratios": make_ratios(rows, strategies)}
@@ -305,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
-                     args.repeats, args.seed, args.skip_hf, args.prompts)
+                     args.repeats, args.seed, args.skip_hf, args.prompts, args.device)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size")

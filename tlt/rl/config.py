@@ -94,6 +94,9 @@ class TrainConfig:
     save_every: int = 10
     keep_checkpoints: int = 2
     threads: int = 0
+    # The trainer's policy (and reference) and the in-process engine: auto (the first CUDA device when
+    # torch sees one, else the CPU), cpu, cuda or cuda:N. Ray workers take a GPU when they see one.
+    device: str = "auto"
     tensorboard: bool = False
     wandb: bool = False  # scalars to Weights & Biases (WANDB_MODE=offline writes them locally only)
     wandb_project: str = "tlt"
@@ -132,6 +135,9 @@ class TrainConfig:
             raise ConfigError(f"field 'wandb_project' must be a non-empty name, got {self.wandb_project!r}")
         if self.speculative == "on" and not self.strategy:
             raise ConfigError("field 'strategy' is needed when speculative=on (e.g. tree-d6-k2-v16 or ngram-d4)")
+        from tlt.device import check_device_name
+
+        check_device_name(self.device, "field 'device'")
         if self.drafter_fault is not None:
             self.fault()
         self.spot()  # validates the drafter-training fields

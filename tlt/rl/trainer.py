@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tlt.data import Example
+from tlt.device import resolve_device
 from tlt.errors import CheckpointError, ConfigError, TrainingError
 from tlt.rl.config import TrainConfig
 from tlt.rl.distributed import Replicas
@@ -57,8 +58,9 @@ class GRPOTrainer:
         torch.manual_seed(c.seed)
         random.seed(c.seed)
         self.tokenizer = load_tokenizer(c.model)
-        self.policy = load_model(c.model).train()
-        self.reference = load_model(c.model).eval().requires_grad_(False) if c.kl_coef > 0 else None
+        self.device = resolve_device(c.device, "field 'device'")
+        self.policy = load_model(c.model, device=self.device).train()
+        self.reference = load_model(c.model, device=self.device).eval().requires_grad_(False) if c.kl_coef > 0 else None
         self.rollout_backend = self._make_rollout()
         self.engine = getattr(self.rollout_backend, "engine", None)  # the in-process engine (workers=1)
         self.optimizer = build_optimizer(self.policy, c)
@@ -108,7 +110,7 @@ class GRPOTrainer:
             learning = DrafterLearning(c.spot(), drafter_config, root, log, evict=policies["drafter_buffer_evict"],
                                        sample=policies["drafter_buffer_sample"])
         if workers == 1:
-            model = load_model(c.model)
+            model = load_model(c.model, device=self.device)
             if drafter == "random":
                 from tlt.speculative.drafter import Drafter
 

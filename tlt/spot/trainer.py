@@ -273,7 +273,8 @@ class DrafterCheckpointer:
 def _snapshot(state: dict) -> dict:
     buffer = io.BytesIO()
     torch.save(state["optimizer"], buffer)  # serialised now: later optimizer steps cannot leak in
-    return {"drafter": {k: v.clone() for k, v in state["drafter"].items()}, "optimizer": buffer.getvalue(),
+    return {"drafter": {k: v.detach().to("cpu", copy=True) for k, v in state["drafter"].items()},
+            "optimizer": buffer.getvalue(),
             "steps": state["steps"], "version": state["version"]}
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks in one short run (about 8 minutes on one H200), for a machine that has PyTorch with
+# CUDA but nothing of tlt installed: the CUDA tests, then the speculative, rollout and end-to-end
+# benchmarks on the GPU. Logs and JSON go to $OUT (default runs/gpu).
+#   scripts/gpu_check.sh            everything
+#   scripts/gpu_check.sh tests      the CUDA tests only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+what=${1:-all}
+status=0
+step() { echo "== $*"; }
+
+step "environment"
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+
+step "CUDA tests"
+$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" || status=1
+[ "$what" = tests ] && exit $status
+
+step "speculative decoding by batch size"
+timeout 240 $PY -m tlt.cli bench speculative --device cuda --repeats 3 --prompts 8 \
+    --strategies off,chain-d4,tree-d4-k4-v16,tree-d6-k4-v24,tree-d8-k4-v48,ngram-d4 \
+    --json "$OUT/speculative.json" 2>&1 | tail -25 | tee "$OUT/speculative.log" || status=1
+
+step "rollout, 16 prompts x 8 samples"
+timeout 180 $PY -m tlt.cli bench rollout --device cuda --repeats 3 --adaptive \
+    --strategies tree-d4-k4-v16,tree-d6-k4-v24,chain-d4 --json "$OUT/rollout.json" \
+    --plot "$OUT/rollout.png" 2>&1 | tail -20 | tee "$OUT/rollout.log" || status=1
+
+step "GRPO end to end, off vs tlt, in-process engine on the GPU"
+timeout 150 $PY -m tlt.cli bench e2e --steps 6 --workers 1 --json "$OUT/e2e.json" --out "$OUT/e2e" \
+    device=cuda eval_every=6 eval_problems=32 save_every=0 2>&1 | tail -20 | tee "$OUT/e2e.log" || status=1
+rm -rf "$OUT/e2e"
+exit $status
