@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-drafter": ("tlt.speculative.train", "train an EAGLE drafter offline on the target's own generations"),
     "export-drafter": ("tlt.speculative.export", "write a drafter as an EAGLE draft head for SGLang and vLLM"),
     "report": ("tlt.report", "figures and a markdown summary of a GRPO run directory"),
+    "audit": ("tlt.audit", "statistical check that speculative sampling is lossless on your model, drafter and settings"),
 }
 
 

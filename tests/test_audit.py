@@ -1,0 +1,101 @@
+"""`tlt audit`: its statistics are calibrated (exact draws pass, sharpened or flattened draws fail), every
+exact system passes on a random target with a random drafter, a verifier with a deliberate bias fails,
+greedy decoding is checked token for token, and the command line writes its record and exit code."""
+
+import json
+
+import pytest
+import torch
+
+from tlt import audit as audit_module
+from tlt.audit import audit, kolmogorov_p, position_statistics, verdict
+from tlt.cli import main
+from tlt.speculative import Drafter
+
+from test_speculative import random_target
+
+
+def draws(logits: torch.Tensor, power: float, seed: int) -> dict:
+    """Tokens drawn from softmax(power * logits) but judged against softmax(logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.multinomial((logits * power).softmax(-1), 1, generator=gen)[:, 0]
+    return position_statistics(logits.log_softmax(-1), tokens, torch.rand(len(tokens), generator=gen, dtype=torch.float64))
+
+
+def test_statistics_pass_exact_draws_and_catch_sharpened_or_flattened_ones():
+    logits = torch.randn(20000, 50, generator=torch.Generator().manual_seed(0)) * 1.5
+    exact = verdict([draws(logits, 1.0, 1)], alpha=1e-3)
+    assert exact["passed"] and exact["ks_p"] > 1e-3 and abs(exact["score_z"]) < 3.5
+    sharp = verdict([draws(logits, 1.15, 2)], alpha=1e-3)
+    assert not sharp["passed"] and sharp["score_z"] > 0 and "peaked" in sharp["reason"]
+    flat = verdict([draws(logits, 0.85, 3)], alpha=1e-3)
+    assert not flat["passed"] and flat["score_z"] < 0 and "flat" in flat["reason"]
+    assert kolmogorov_p(0.0, 100) == 1.0 and kolmogorov_p(0.5, 100) < 1e-9
+    assert kolmogorov_p(1.36 / 100, 10000) == pytest.approx(0.05, abs=0.005)  # the textbook 5% point
+
+
+def test_a_token_outside_the_warped_support_fails():
+    lp = torch.tensor([[0.0, float("-inf")]]).expand(2000, 2).log_softmax(-1)
+    stats = position_statistics(lp, torch.tensor([0] * 1999 + [1]), torch.rand(2000, dtype=torch.float64))
+    result = verdict([stats], alpha=1e-3)
+    assert not result["passed"] and result["outside_support"] == 1 and "outside the warped support" in result["reason"]
+
+
+SYSTEMS = ["off", "chain-d3", "tree-d3-k3-v8", "ngram-d3", "adaptive"]
+
+
+def prompts():
+    return [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 5, 8, 4)]
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, top_k=5)])
+def test_every_exact_system_passes(warp):
+    target = random_target(seed=5)
+    result = audit(target, None, prompts(), SYSTEMS, Drafter.from_target(target, seed=3).eval(), samples=48,
+                   max_tokens=24, seed=1, **warp)
+    for name, r in result["systems"].items():
+        assert r["passed"], (name, r)
+        assert r["tokens"] > 2000
+    assert result["passed"]
+
+
+def test_a_verifier_with_the_classic_bias_fails(monkeypatch):
+    """The control: after a rejection, drawing the replacement from p instead of normalise(max(p - q, 0))
+    over-weights the tokens the drafter proposes."""
+    from tlt.rollout.sampling import sample_from
+    from tlt.speculative import decoder, verify
+
+    def resample_from_p(p, q, draft, u_accept, u_final):
+        count, _ = verify.speculative_sample_chain(p, q, draft, u_accept, u_final)
+        return count, sample_from(p[torch.arange(len(count)), count].log(), u_final)
+
+    monkeypatch.setattr(decoder, "speculative_sample_chain", resample_from_p)
+    target = random_target(seed=5)
+    result = audit(target, None, prompts(), ["chain-d3"], Drafter.from_target(target, seed=3).eval(), samples=48,
+                   max_tokens=24, seed=1)
+    chain = result["systems"]["chain-d3"]
+    assert not result["passed"] and chain["ks_p"] < 1e-6 and chain["score_p"] < 1e-6
+
+
+def test_greedy_is_checked_token_for_token():
+    target = random_target(seed=6)
+    result = audit(target, None, prompts(), ["chain-d3", "tree-d3-k3-v8", "ngram-d3"],
+                   Drafter.from_target(target, seed=3).eval(), samples=1, temperature=0.0, max_tokens=24)
+    assert result["passed"]
+    assert all(r["responses_differing"] == 0 for r in result["systems"].values())
+
+
+def test_cli_writes_the_record_and_names_a_bad_system(tmp_path, capsys, monkeypatch):
+    from test_bench_speculative import tiny_folders as folders_fixture
+
+    model_dir, _ = folders_fixture.__wrapped__(tmp_path)
+    out = tmp_path / "audit.json"
+    monkeypatch.setattr(audit_module, "LOGIT_BUDGET", 2000)  # several teacher-forced chunks
+    code = main(["audit", "--model", str(model_dir), "--drafter", "random", "--systems", "off,tree-d3-k2-v4",
+                 "--prompts", "3", "--samples", "8", "--max-tokens", "12", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert code == (0 if record["passed"] else 1)
+    assert set(record["systems"]) == {"off", "tree-d3-k2-v4"} and record["config"]["samples"] == 8
+    assert "KS p" in capsys.readouterr().out
+    assert main(["audit", "--model", str(model_dir), "--systems", "off,bushy-d3"]) == 2
+    assert "bushy-d3" in capsys.readouterr().err
