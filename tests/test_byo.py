@@ -84,3 +84,30 @@ def test_a_tokenizer_that_reads_nothing_of_a_prompt_is_named(tmp_path):
     config = tiny(tmp_path / "model", tmp_path / "train.jsonl", reward="reward_fixtures:digit_fraction", eval_every=0)
     with pytest.raises(ConfigError, match=r"train.jsonl:1: the prompt encodes to no tokens .*Qwen2Tokenizer"):
         train(config, tmp_path / "run", log=lambda *_: None)
+
+
+def test_train_drafter_on_a_chat_dataset_and_on_its_reference_completions(model_dir, tmp_path, capsys):
+    """`tlt train-drafter --dataset`: the model's own generations on chat prompts rendered by the
+    tokenizer's template (rows after the training ones held out), or a completion column as references."""
+    from tlt.cli import main
+    from tlt.model import load_model
+    from tlt.speculative import Drafter
+
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}?"}], "solution": f"{2 * i}"} for i in range(8)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--model", str(model_dir), "--dataset", str(tmp_path / "chat.jsonl"), "--prompts", "6",
+              "--eval-prompts", "2", "--samples", "2", "--max-tokens", "8", "steps=2", "batch_tokens=32", "rows=2",
+              "window=8", "log_every=1"]
+    for data, extra in (("generations", []), ("references", ["--completion-column", "solution"])):
+        out = tmp_path / f"drafter-{data}"
+        assert main(["train-drafter", "--out", str(out), "--data", data, *extra, *common]) == 0
+        recipe = json.loads((out / "recipe.json").read_text())
+        assert recipe["data"]["dataset"] == str(tmp_path / "chat.jsonl") and recipe["metrics"]["step"] == 2
+        Drafter.load(out, load_model(model_dir))
+    capsys.readouterr()
+    assert main(["train-drafter", "--out", str(tmp_path / "x"), "--data", "references", *common]) == 2
+    assert "needs --completion-column" in capsys.readouterr().err
+    assert main(["train-drafter", "--out", str(tmp_path / "x"), "--data", "references", "--completion-column", "answer",
+                 *common]) == 2
+    assert "column 'answer' is missing or not text" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

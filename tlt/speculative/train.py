@@ -223,22 +223,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=768)
     parser.add_argument("--eval-prompts", type=int, default=32, help="eval-split problems for acceptance")
+    parser.add_argument("--dataset", help="JSONL or Parquet prompts (verl or TRL layout, chat prompts through the "
+                                          "tokenizer's template) instead of the built-in task")
+    parser.add_argument("--eval-dataset", help="held-out prompts (default: the --eval-prompts rows after the "
+                                               "training rows of --dataset)")
+    parser.add_argument("--prompt-column", default="prompt")
+    parser.add_argument("--completion-column", default=None,
+                        help="with --data references and --dataset: the column holding the reference completions")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--config", help="YAML file of DrafterTrainConfig fields")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="DrafterTrainConfig fields")
 
 
+def prompt_sources(args, tokenizer, seed: int) -> dict[str, tuple[list, list | None]]:
+    """{"train": (prompts, reference completions or None), "eval": (...)}: the built-in task's train and
+    eval splits, or the rows of --dataset (held out: --eval-dataset, else the rows after the training
+    ones). Prompts are token ids (chat prompts rendered with the tokenizer's template)."""
+    if args.prompts < 1 or args.eval_prompts < 1:
+        raise ConfigError("--prompts and --eval-prompts must be >= 1")
+    if not args.dataset:
+        from tlt.tasks import ArithmeticTask
+
+        if args.eval_dataset or args.completion_column:
+            raise ConfigError("--eval-dataset and --completion-column need --dataset")
+        task = ArithmeticTask()
+        out = {}
+        for split, n in (("train", args.prompts), ("eval", args.eval_prompts)):
+            problems = task.sample(n, seed=seed, split=split)
+            out[split] = ([p.prompt for p in problems], [p.solution for p in problems])
+        return out
+    from tlt.chat import render_prompt
+    from tlt.data.datasets import load_examples
+
+    if args.data == "references" and not args.completion_column:
+        raise ConfigError("--data references with --dataset needs --completion-column, the column holding the "
+                          "reference completions")
+    rows = load_examples(args.dataset, prompt_column=args.prompt_column,
+                         limit=args.prompts + (0 if args.eval_dataset else args.eval_prompts))
+    if args.eval_dataset:
+        train_rows, eval_rows = rows, load_examples(args.eval_dataset, prompt_column=args.prompt_column,
+                                                    limit=args.eval_prompts)
+    else:
+        if len(rows) < 2:
+            raise ConfigError(f"{args.dataset}: {len(rows)} row(s), too few to hold any out; give --eval-dataset")
+        cut = min(args.prompts, len(rows) - max(1, min(args.eval_prompts, len(rows) // 2)))
+        train_rows, eval_rows = rows[:cut], rows[cut:]
+
+    def completions(examples):
+        if not args.completion_column:
+            return None
+        missing = [ex.source for ex in examples if not isinstance(ex.columns.get(args.completion_column), str)]
+        if missing:
+            raise ConfigError(f"{missing[0]}: column {args.completion_column!r} is missing or not text "
+                              "(expected the reference completion)")
+        return [ex.columns[args.completion_column] for ex in examples]
+
+    return {"train": ([render_prompt(tokenizer, ex.prompt) for ex in train_rows], completions(train_rows)),
+            "eval": ([render_prompt(tokenizer, ex.prompt) for ex in eval_rows], None)}
+
+
 def run(args: argparse.Namespace) -> int:
+    from tlt.device import resolve_device
     from tlt.model import load_model
     from tlt.io import atomic_write_json
     from tlt.speculative.drafter import Drafter
-    from tlt.tasks import ArithmeticTask
     from tlt.tokenizer import load_tokenizer
 
     c = build(DrafterTrainConfig, args.config, args.overrides)
     command = "tlt " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["train-drafter"] else "tlt train-drafter"
     if c.threads:
         torch.set_num_threads(c.threads)
-    target, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    device = resolve_device(args.device, "--device")
+    target, tokenizer = load_model(args.model, device=device), load_tokenizer(args.model)
     if args.from_drafter:
         drafter = Drafter.load(args.from_drafter, target)
         if c.feature_layers is not None and tuple(c.feature_layers) != drafter.output_layers:
@@ -246,19 +302,18 @@ def run(args: argparse.Namespace) -> int:
                               f"reads {drafter.output_layers}")
     else:
         drafter = Drafter.from_target(target, c.feature_layers, seed=c.seed)
-    task = ArithmeticTask()
+    sources = prompt_sources(args, tokenizer, c.seed)
 
-    def gather(n: int, split: str, data: str = "generations") -> list[DraftRecord]:
-        problems = task.sample(n, seed=c.seed, split=split)
+    def gather(split: str, data: str = "generations") -> list[DraftRecord]:
+        prompts, completions = sources[split]
         if data == "references":
-            return records_from_texts(target, tokenizer, [p.prompt for p in problems],
-                                      [p.solution for p in problems], drafter.output_layers)
-        return collect(target, tokenizer, [p.prompt for p in problems], args.samples, args.temperature,
-                       args.max_tokens, c.seed, drafter.output_layers)
+            return records_from_texts(target, tokenizer, prompts, completions, drafter.output_layers)
+        return collect(target, tokenizer, prompts, args.samples, args.temperature, args.max_tokens, c.seed,
+                       drafter.output_layers)
 
     start = time.time()
     # Held-out agreement is always measured on the target's own samples: what drafting will meet.
-    records, held_out = gather(args.prompts, "train", args.data), gather(args.eval_prompts, "eval")
+    records, held_out = gather("train", args.data), gather("eval")
     print(f"collected {len(records)} responses, {sum(len(r.tokens) - 1 for r in records)} pairs "
           f"(+{len(held_out)} held out) in {time.time() - start:.0f}s")
     before = acceptance_top1(drafter, held_out)
@@ -269,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
     drafter.save(args.out)
     data = {"model": args.model, "data": args.data, "from_drafter": args.from_drafter, "prompts": args.prompts,
             "samples": args.samples, "temperature": args.temperature, "max_tokens": args.max_tokens,
-            "eval_prompts": args.eval_prompts}
+            "eval_prompts": args.eval_prompts, "dataset": args.dataset, "eval_dataset": args.eval_dataset,
+            "prompt_column": args.prompt_column, "completion_column": args.completion_column}
     atomic_write_json(Path(args.out) / "recipe.json",
                       {"command": command, "config": to_dict(c), "data": data, "metrics": metrics})
     print(f"wrote {args.out}")
