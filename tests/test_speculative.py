@@ -244,3 +244,23 @@ def test_continuous_batching_under_speculation(strategy):
     spec = engine(target, strategy, drafter, max_batch_size=3)
     assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
     assert max(spec.stats()["batch_sizes"]) <= 3
+
+
+@pytest.mark.parametrize("strategy", ["chain-d3", "tree-d4-k3-v10", "off"])
+def test_returned_layer_states_equal_a_full_forwards(strategy):
+    """With an EAGLE-3 drafter the engine also returns the outputs of the target layers it reads, for every
+    generated token, from the decode and verify forwards it ran anyway (what online training needs)."""
+    target = random_target(seed=7)
+    drafter = Drafter.from_target(target, feature_layers=(0, 1), seed=2)
+    prompt = [3, 9, 27, 4, 5]
+    params = tlt.SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=4, ignore_eos=True, return_hidden_states=True)
+    config = tlt.EngineConfig(speculative="adaptive", drafter=drafter) if strategy == "off" else \
+        tlt.EngineConfig(speculative="on", strategy=strategy, drafter=drafter)
+    out = tlt.RolloutEngine(target, config=config).generate([prompt], params)[0]
+    for c in out.outputs:
+        with torch.no_grad():
+            full = target(torch.tensor([prompt + c.token_ids]), output_layers=(0, 1))
+        span = slice(len(prompt) - 1, len(prompt) - 1 + len(c.token_ids))
+        assert c.layer_states.shape == (len(c.token_ids), 2, 32)
+        for j, layer in enumerate((0, 1)):
+            assert (c.layer_states[:, j] - full.layer_states[layer][0, span]).abs().max() <= 1e-4

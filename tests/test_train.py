@@ -311,3 +311,24 @@ def test_online_buffer_round_trips_and_names_a_bad_file(tmp_path):
     (tmp_path / "b" / "buffer.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"buffer\.json: entry 1 has no 'prompt_len'"):
         again.load(tmp_path / "b")
+
+
+def test_online_training_of_an_eagle3_drafter(model_dir, tmp_path):
+    """A drafter fusing target layers (EAGLE-3 style) learns online too: rollout returns those layers'
+    outputs with every token, the buffer keeps them, and a phase trains on them."""
+    from tlt.model import load_model
+    from tlt.speculative import Drafter
+
+    Drafter.from_target(load_model(model_dir), feature_layers=(0, 1), seed=1).save(tmp_path / "eagle3")
+    c = config(model_dir, drafter=str(tmp_path / "eagle3"), speculative="on", strategy="chain-d3",
+               drafter_train="every", drafter_min_pairs=1, drafter_batch_tokens=128, drafter_window=32,
+               drafter_local_steps=2, steps=2)
+    trainer = GRPOTrainer(c, log=lambda *_: None)
+    try:
+        rows = [trainer.train_step() for _ in range(2)]
+        entries = trainer.rollout_backend.learning.buffer.entries
+        assert entries and all(e.record.layers is not None and e.record.layer_ids == (0, 1) for e in entries)
+        assert all(e.record.layers.shape[0] == e.record.tokens.shape[0] for e in entries)
+        assert [r["drafter_phase_steps"] for r in rows] == [2, 2] and rows[-1]["drafter_version"] == 2
+    finally:
+        trainer.close()

@@ -68,12 +68,14 @@ class EngineConfig:
 
 @dataclass
 class DecodeResult:
-    """Per live row: the new tokens, their log-probs and (when asked) the features that produced them."""
+    """Per live row: the new tokens, their log-probs and (when asked) the features that produced them:
+    last-layer `hidden` [k, H] and, for a drafter reading intermediate layers, `layers` [k, L, H]."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     hidden: list[torch.Tensor] | None
     strategy: str = "off"  # the strategy of the step ("off": one plain token per row)
+    layers: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -121,13 +123,22 @@ def acceptance_length(stats: dict, counted=lambda strategy: strategy != "off") -
     return tokens / rows if rows else None
 
 
-def sample_next(batch: LiveBatch, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeResult:
-    """One token per row from logits [B, V] with each row's counter-based uniform; hidden [B, H] are the
-    features that produced them. Shared by the prefill's first token and every plain decode step."""
+def stacked_layers(out, layers) -> torch.Tensor | None:
+    """[B, T, L, H]: a forward's outputs of target layers `layers` (None when there are none)."""
+    return torch.stack([out.layer_states[i] for i in layers], 2) if layers else None
+
+
+def sample_next(batch: LiveBatch, logits: torch.Tensor, hidden: torch.Tensor,
+                layers: torch.Tensor | None = None) -> DecodeResult:
+    """One token per row from logits [B, V] with each row's counter-based uniform; hidden [B, H] (and
+    layers [B, L, H]) are the features that produced them. Shared by the prefill's first token and
+    every plain decode step."""
     u = rng.uniform(batch.keys, batch.counters)
     tokens, logprobs = sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, u)
+    wants = batch.wants_hidden
     return DecodeResult([[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()],
-                        [h[None] for h in hidden] if batch.wants_hidden else None)
+                        [h[None] for h in hidden] if wants else None,
+                        layers=[x[None] for x in layers] if wants and layers is not None else None)
 
 
 class PlainDecoder:
@@ -308,17 +319,21 @@ class RolloutEngine:
             ids[i, : len(g.prompt)] = torch.tensor(g.prompt, device=device)
         valid = torch.arange(T, device=device)[None] < lengths[:, None]  # [G, T]
         cache = self.model.new_cache(len(groups), block=self.config.cache_block)
+        output_layers = getattr(self.decoder, "output_layers", ())
         out = self.model(ids, attention_mask=valid, cache=cache, logit_index=(lengths - 1)[:, None],
-                         output_layers=getattr(self.decoder, "output_layers", ()))
+                         output_layers=output_layers)
         rows = torch.arange(len(groups), device=device)
         hidden = out.hidden_states[rows, lengths - 1]  # [G, H]
+        layers = stacked_layers(out, output_layers)
         counts = torch.tensor([len(g.seqs) for g in groups], device=device)
         cache.fork(counts)
         logits = out.logits[:, 0].repeat_interleave(counts, 0)  # [N, V]
         hidden = hidden.repeat_interleave(counts, 0)  # [N, H]
+        if layers is not None:
+            layers = layers[rows, lengths - 1].repeat_interleave(counts, 0)  # [N, L, H]
         seqs = [s for g in groups for s in g.seqs]
         fresh = LiveBatch(seqs, cache, torch.zeros(len(seqs), dtype=torch.long, device=device))
-        first = sample_next(fresh, logits, hidden)
+        first = sample_next(fresh, logits, hidden, layers)
         fresh.last_tokens = torch.tensor([r[0] for r in first.tokens], dtype=torch.long, device=device)
         if hasattr(self.decoder, "prefill"):
             self.decoder.prefill(fresh, ids, lengths, out, counts)
@@ -338,7 +353,8 @@ class RolloutEngine:
     def _append(self, batch: LiveBatch, result: DecodeResult) -> None:
         for b, seq in enumerate(batch.seqs):
             hidden = result.hidden[b] if result.hidden is not None else None
-            kept = seq.append(result.tokens[b], result.logprobs[b], hidden)
+            layers = result.layers[b] if result.layers is not None else None
+            kept = seq.append(result.tokens[b], result.logprobs[b], hidden, layers)
             self._stats.decode_tokens += kept
         batch.last_tokens = torch.tensor([r[-1] for r in result.tokens], dtype=torch.long,
                                          device=batch.last_tokens.device)

@@ -13,7 +13,9 @@ from tlt.rollout.params import SamplingParams
 class Completion:
     """One sample. `logprobs[i]` is token i's log-prob under the warped distribution it was drawn from.
     `hidden_states[i]` ([n_tokens, H], when asked) is the target's last-layer feature that produced
-    token i, i.e. at the position just before it (the prompt's last position for token 0)."""
+    token i, i.e. at the position just before it (the prompt's last position for token 0);
+    `layer_states` ([n_tokens, L, H]) the outputs of the target layers an EAGLE-3 drafter reads, at the
+    same positions, when the engine's drafter reads any."""
 
     index: int
     token_ids: list[int]
@@ -22,6 +24,7 @@ class Completion:
     text: str | None = None
     hidden_states: torch.Tensor | None = None
     acceptance_length: float | None = None  # tokens per speculative step of this sample (None: none)
+    layer_states: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
+    layers: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
     ngram: object | None = None  # the group's NgramIndex, when the engine drafts from n-grams
     history: list[int] = field(default_factory=list)  # prompt + tokens, kept only with `ngram`
@@ -58,7 +62,8 @@ class Sequence:
     def length(self) -> int:
         return len(self.prompt) + len(self.tokens)
 
-    def append(self, tokens: list[int], logprobs: list[float], hidden: torch.Tensor | None) -> int:
+    def append(self, tokens: list[int], logprobs: list[float], hidden: torch.Tensor | None,
+               layers: torch.Tensor | None = None) -> int:
         """Add accepted tokens up to the first stop token or the length limit; return how many were kept."""
         kept = 0
         for tok, lp in zip(tokens, logprobs):
@@ -73,6 +78,8 @@ class Sequence:
                 break
         if hidden is not None and self.params.return_hidden_states:
             self.hidden.append(hidden[:kept])
+            if layers is not None:
+                self.layers.append(layers[:kept])
         if self.ngram is not None:
             old = len(self.history)
             self.history += self.tokens[len(self.tokens) - kept :]
@@ -82,6 +89,7 @@ class Sequence:
     def completion(self, tokenizer=None) -> Completion:
         text = tokenizer.decode(self.tokens) if tokenizer is not None else None
         hidden = torch.cat(self.hidden) if self.hidden else None
+        layers = torch.cat(self.layers) if self.layers else None
         accept = self.spec_tokens / self.spec_steps if self.spec_steps else None
         return Completion(self.index, list(self.tokens), list(self.logprobs), self.finish_reason or "length",
-                          text, hidden, accept)
+                          text, hidden, accept, layers)

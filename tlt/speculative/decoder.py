@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from tlt.rollout import rng
-from tlt.rollout.engine import DecodeResult, sample_next
+from tlt.rollout.engine import DecodeResult, sample_next, stacked_layers
 from tlt.rollout.sampling import warp_logprobs
 from tlt.speculative.strategy import Strategy
 from tlt.speculative.tree import chain_draft, expand
@@ -134,7 +134,8 @@ class SpeculativeDecoder:
     def _plain(self, batch) -> DecodeResult:
         base = batch.cache.lengths.clone()
         out = self.model(batch.last_tokens[:, None], cache=batch.cache, output_layers=self.output_layers)
-        result = sample_next(batch, out.logits[:, 0], out.hidden_states[:, 0])
+        layers = stacked_layers(out, self.output_layers)
+        result = sample_next(batch, out.logits[:, 0], out.hidden_states[:, 0], None if layers is None else layers[:, 0])
         self._feed(batch, out, [[0]] * len(result.tokens), result.tokens, base)
         return result
 
@@ -163,8 +164,12 @@ class SpeculativeDecoder:
         for seq, e in zip(batch.seqs, emitted):
             seq.spec_steps += 1
             seq.spec_tokens += len(e)
-        hidden = [out.hidden_states[b, v] for b, v in enumerate(visited)] if batch.wants_hidden else None
-        return DecodeResult(emitted, logprobs, hidden)
+        hidden = layers = None
+        if batch.wants_hidden:
+            hidden = [out.hidden_states[b, v] for b, v in enumerate(visited)]
+            stacked = stacked_layers(out, self.output_layers)
+            layers = [stacked[b, v] for b, v in enumerate(visited)] if stacked is not None else None
+        return DecodeResult(emitted, logprobs, hidden, layers=layers)
 
     def _verify_chain(self, logits, draft, batch, counters):
         B, N, V = logits.shape

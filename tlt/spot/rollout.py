@@ -32,10 +32,6 @@ class DrafterLearning:
 
     def __init__(self, config: SpotConfig, drafter_config, checkpoint_root: str | Path | None = None,
                  log: Callable[[str], None] = print, evict=None, sample=None) -> None:
-        if drafter_config.feature_layers:
-            raise ConfigError("online drafter training needs an EAGLE-1 drafter (last-layer features): rollout "
-                              f"does not return the intermediate layers {drafter_config.feature_layers} an "
-                              "EAGLE-3 drafter reads")
         self.config, self.drafter_config, self.log = config, drafter_config, log
         self.buffer = OnlineBuffer(config.buffer_mb << 20, evict or keep_recent(config.buffer_versions),
                                    sample or favour_long(1.0))
@@ -56,12 +52,17 @@ class DrafterLearning:
 
         from tlt.speculative.data import DraftRecord
 
+        layer_ids = tuple(self.drafter_config.feature_layers or ())
         records = []
         for out in outputs:
             for c in out.outputs:
                 if c.hidden_states is None:
                     raise ConfigError("drafter training needs the rollout's hidden states (return_hidden_states)")
-                records.append(DraftRecord(torch.tensor(c.token_ids), c.hidden_states, len(out.prompt_token_ids)))
+                if layer_ids and c.layer_states is None:
+                    raise ConfigError(f"the drafter reads target layers {layer_ids} but the rollout returned none; "
+                                      "the engines must run the same drafter")
+                records.append(DraftRecord(torch.tensor(c.token_ids), c.hidden_states, len(out.prompt_token_ids),
+                                           c.layer_states if layer_ids else None, layer_ids))
         self.buffer.add(records, version)
 
     def payload(self) -> tuple[list, list[float]]:

@@ -131,6 +131,8 @@ class RolloutWorker:
             for c in out.outputs:
                 if c.hidden_states is not None:
                     c.hidden_states = c.hidden_states.clone().cpu()  # out of inference mode, off the device
+                if c.layer_states is not None:
+                    c.layer_states = c.layer_states.clone().cpu()
         return outputs, {**self.engine.stats(), "drafter_swaps": swaps}
 
     def offer_drafter(self, state: dict, version: int) -> None:
