@@ -134,7 +134,7 @@ class SpeculativeDecoder:
     def _plain(self, batch) -> DecodeResult:
         base = batch.cache.lengths.clone()
         out = self.model(batch.last_tokens[:, None], cache=batch.cache, output_layers=self.output_layers)
-        layers = stacked_layers(out, self.output_layers)
+        layers = stacked_layers(out, self.output_layers) if batch.wants_hidden else None
         result = sample_next(batch, out.logits[:, 0], out.hidden_states[:, 0], None if layers is None else layers[:, 0])
         self._feed(batch, out, [[0]] * len(result.tokens), result.tokens, base)
         return result
