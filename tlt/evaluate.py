@@ -76,12 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=768)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", help="write the result here")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tlt.device import resolve_device
     from tlt.model import load_model
     from tlt.io import atomic_write_json
     from tlt.tasks import ArithmeticTask
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    device = resolve_device(args.device, "--device")
+    model, tokenizer = load_model(args.model, device=device), load_tokenizer(args.model)
     problems = ArithmeticTask().sample(args.problems, seed=args.seed, split="eval")
     r = evaluate(model, tokenizer, problems, args.temperature, args.samples, args.max_tokens, args.seed)
     print(f"accuracy {r.accuracy:.3f} over {r.samples} samples of {len(problems)} problems "
