@@ -91,6 +91,7 @@ def test_cli_writes_the_record_and_names_a_bad_system(tmp_path, capsys, monkeypa
     model_dir, _ = folders_fixture.__wrapped__(tmp_path)
     out = tmp_path / "audit.json"
     monkeypatch.setattr(audit_module, "LOGIT_BUDGET", 2000)  # several teacher-forced chunks
+    monkeypatch.setattr(audit_module, "POSITION_BUDGET", 100)  # and several position chunks per response
     code = main(["audit", "--model", str(model_dir), "--drafter", "random", "--systems", "off,tree-d3-k2-v4",
                  "--prompts", "3", "--samples", "8", "--max-tokens", "12", "--json", str(out)])
     record = json.loads(out.read_text())
@@ -99,3 +100,22 @@ def test_cli_writes_the_record_and_names_a_bad_system(tmp_path, capsys, monkeypa
     assert "KS p" in capsys.readouterr().out
     assert main(["audit", "--model", str(model_dir), "--systems", "off,bushy-d3"]) == 2
     assert "bushy-d3" in capsys.readouterr().err
+
+
+def test_chunking_the_teacher_forced_pass_changes_nothing(monkeypatch):
+    import tlt
+
+    target = random_target(seed=8)
+    ps = prompts()
+    params = tlt.SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=20, seed=2)
+    out = tlt.RolloutEngine(target).generate(ps, params)
+    owners = [list(o.prompt_token_ids) for o in out for _ in o.outputs]
+    responses = [c.token_ids for o in out for c in o.outputs]
+    whole = audit_module.teacher_forced(target, owners, responses, params, v_seed=5)
+    monkeypatch.setattr(audit_module, "LOGIT_BUDGET", 500)
+    monkeypatch.setattr(audit_module, "POSITION_BUDGET", 61 * 3)
+    parts = audit_module.teacher_forced(target, owners, responses, params, v_seed=5)
+    assert len(whole) == len(parts) == len(responses)
+    for a, b in zip(whole, parts):
+        for key in a:
+            assert torch.allclose(a[key].double(), b[key].double(), atol=1e-9), key

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 DEFAULT_SYSTEMS = ("off", "chain-d4", "tree-d4-k4-v16", "ngram-d4", "adaptive")
 LOGIT_BUDGET = 1 << 26  # logits (floats) one teacher-forced forward may hold
+POSITION_BUDGET = 1 << 22  # vocabulary entries of the per-position statistics held at once
 
 
 # --- statistics ------------------------------------------------------------------------------------
@@ -140,15 +141,20 @@ def teacher_forced(model, prompts: list[list[int]], responses: list[list[int]], 
             mask[r, : len(s)] = True
         with torch.inference_mode():
             logits = model(ids, attention_mask=mask).logits.float()
+        step = max(1, POSITION_BUDGET // V)  # positions whose [positions, V] statistics are held at once
         for r, i in enumerate(chunk):
             n, m = len(prompts[i]), len(responses[i])
-            rows_logits = logits[r, n - 1 : n - 1 + m]  # the distribution each response token was drawn from
-            lp = warp_logprobs(rows_logits, torch.full((m,), params.temperature, device=device),
-                               torch.full((m,), params.top_k, dtype=torch.long, device=device),
-                               torch.full((m,), params.top_p, device=device))
-            v = torch.rand(m, generator=gen, dtype=torch.float64)
-            stats = position_statistics(lp.cpu(), torch.tensor(responses[i]), v)
-            out.append(stats)
+            tokens, v = torch.tensor(responses[i]), torch.rand(m, generator=gen, dtype=torch.float64)
+            parts = []
+            for a in range(0, m, step):
+                b = min(m, a + step)
+                rows_logits = logits[r, n - 1 + a : n - 1 + b]  # the distributions tokens a..b-1 were drawn from
+                k = b - a
+                lp = warp_logprobs(rows_logits, torch.full((k,), params.temperature, device=device),
+                                   torch.full((k,), params.top_k, dtype=torch.long, device=device),
+                                   torch.full((k,), params.top_p, device=device))
+                parts.append(position_statistics(lp.cpu(), tokens[a:b], v[a:b]))
+            out.append({key: torch.cat([p[key] for p in parts]) for key in parts[0]})
     return out
 
 
