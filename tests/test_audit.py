@@ -59,6 +59,18 @@ def test_every_exact_system_passes(warp):
     assert result["passed"]
 
 
+def test_bfloat16_engines_pass_too():
+    """Weights in bf16, as GPU rollouts run them: verification is exact with respect to the bf16
+    target's own distribution (sampled and greedy)."""
+    target = random_target(seed=5).to(torch.bfloat16)
+    drafter = Drafter.from_target(target, seed=3).eval()
+    sampled = audit(target, None, prompts(), ["off", "chain-d3", "tree-d3-k3-v8", "ngram-d3"], drafter, samples=48,
+                    max_tokens=24, seed=1)
+    greedy = audit(target, None, prompts(), ["chain-d3", "tree-d3-k3-v8", "ngram-d3"], drafter, samples=1,
+                   temperature=0.0, max_tokens=24)
+    assert sampled["passed"] and greedy["passed"], (sampled, greedy)
+
+
 def test_a_verifier_with_the_classic_bias_fails(monkeypatch):
     """The control: after a rejection, drawing the replacement from p instead of normalise(max(p - q, 0))
     over-weights the tokens the drafter proposes."""
@@ -93,10 +105,11 @@ def test_cli_writes_the_record_and_names_a_bad_system(tmp_path, capsys, monkeypa
     monkeypatch.setattr(audit_module, "LOGIT_BUDGET", 2000)  # several teacher-forced chunks
     monkeypatch.setattr(audit_module, "POSITION_BUDGET", 100)  # and several position chunks per response
     code = main(["audit", "--model", str(model_dir), "--drafter", "random", "--systems", "off,tree-d3-k2-v4",
-                 "--prompts", "3", "--samples", "8", "--max-tokens", "12", "--json", str(out)])
+                 "--prompts", "3", "--samples", "8", "--max-tokens", "12", "--dtype", "bfloat16", "--json", str(out)])
     record = json.loads(out.read_text())
     assert code == (0 if record["passed"] else 1)
     assert set(record["systems"]) == {"off", "tree-d3-k2-v4"} and record["config"]["samples"] == 8
+    assert record["config"]["dtype"] == "bfloat16"
     assert "KS p" in capsys.readouterr().out
     assert main(["audit", "--model", str(model_dir), "--systems", "off,bushy-d3"]) == 2
     assert "bushy-d3" in capsys.readouterr().err

@@ -332,3 +332,25 @@ def test_online_training_of_an_eagle3_drafter(model_dir, tmp_path):
         assert [r["drafter_phase_steps"] for r in rows] == [2, 2] and rows[-1]["drafter_version"] == 2
     finally:
         trainer.close()
+
+
+def test_rollout_in_bfloat16_with_float32_master_weights(model_dir):
+    """rollout_dtype=bfloat16: the engine holds bf16 weights (each sync casts the trainer's fp32 ones),
+    old log-probs are recomputed by the trainer, so the first importance ratio is still 1."""
+    with pytest.raises(ConfigError, match="'rollout_dtype'.*old_logprobs=recompute"):
+        config(model_dir, rollout_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="'rollout_dtype'.*drafter_train=off"):
+        GRPOTrainer(config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", drafter="random",
+                           speculative="adaptive", drafter_train="every"))
+    c = config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", drafter="random", speculative="on",
+               strategy="tree-d3-k2-v4", drafter_train="off")
+    trainer = GRPOTrainer(c, log=lambda *_: None)
+    try:
+        row = trainer.train_step()
+        assert trainer.engine.model.dtype == torch.bfloat16 and trainer.policy.dtype == torch.float32
+        assert row["ratio_first_max_dev"] < 1e-3 and row["loss"] != 0.0
+        policy = trainer.policy.state_dict()
+        for name, tensor in trainer.engine.model.state_dict().items():
+            assert torch.equal(tensor, policy[name].to(torch.bfloat16)), name
+    finally:
+        trainer.close()

@@ -224,6 +224,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1e-3, help="a p-value at or below this fails")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype, as the rollout engine will run them")
     parser.add_argument("--json", default=None, help="also write the settings and every verdict here")
 
 
@@ -280,12 +282,12 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.alpha < 1:
         raise ConfigError(f"--alpha must be in (0, 1), got {args.alpha}")
     device = resolve_device(args.device, "--device")
-    model, tokenizer = load_model(args.model, device=device).eval(), load_tokenizer(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=device).eval(), load_tokenizer(args.model)
     drafter = load_drafter(args.drafter, args.model, model, systems)
     if drafter is None and any(s == "adaptive" or (s != "off" and Strategy.parse(s).uses_drafter) for s in systems):
         raise ConfigError("--drafter none leaves no drafter for the chain/tree strategies and 'adaptive' in --systems")
     prompts = load_prompts(args, tokenizer)
-    print(f"tlt audit: {args.model}, {len(prompts)} prompts x {args.samples} samples, temperature {args.temperature}, "
+    print(f"tlt audit: {args.model} ({args.dtype}), {len(prompts)} prompts x {args.samples} samples, temperature {args.temperature}, "
           f"top_p {args.top_p}, top_k {args.top_k}, alpha {args.alpha}", file=sys.stderr)
     record = audit(model, tokenizer, prompts, systems, drafter, args.samples, args.temperature, args.top_p, args.top_k,
                    args.max_tokens, args.seed, args.alpha, log=lambda s: print(s, file=sys.stderr))

@@ -84,6 +84,10 @@ class TrainConfig:
     micro_batch_tokens: int = 4096  # tokens per micro-batch of rows (gradient accumulation over them)
     dtype: str = "float32"  # float32 or bfloat16 (autocast) for the trainer's forward; measure: on CPUs
     # without bf16 matrix units autocast is slower than float32
+    # The rollout engines' weights: float32, bfloat16 or float16 (the trainer keeps float32 weights and
+    # each sync casts them). Not float32 needs old_logprobs=recompute (the engine's log-probs are then
+    # not the trainer's) and no online drafter training (it would train the drafter in that dtype).
+    rollout_dtype: str = "float32"
     trainer_processes: int = 1  # > 1: the update runs data-parallel over this many processes (tlt.rl.distributed)
     # --- run
     steps: int = 60
@@ -119,6 +123,7 @@ class TrainConfig:
                 raise ConfigError(f"field {name!r} must be an integer >= 0, got {value!r}")
         choices = {"speculative": ("off", "on", "adaptive"), "old_logprobs": ("rollout", "recompute"),
                    "lr_schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16"),
+                   "rollout_dtype": ("float32", "bfloat16", "float16"),
                    "aggregation": ("token", "sequence")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -133,6 +138,9 @@ class TrainConfig:
             raise ConfigError("fields 'lr' and 'reward_timeout_s' must be > 0")
         if not isinstance(self.wandb_project, str) or not self.wandb_project.strip():
             raise ConfigError(f"field 'wandb_project' must be a non-empty name, got {self.wandb_project!r}")
+        if self.rollout_dtype != "float32" and self.old_logprobs != "recompute":
+            raise ConfigError(f"field 'rollout_dtype' is {self.rollout_dtype!r}: set old_logprobs=recompute, since the "
+                              "engine's log-probs in that dtype are not the trainer's float32 ones")
         if self.speculative == "on" and not self.strategy:
             raise ConfigError("field 'strategy' is needed when speculative=on (e.g. tree-d6-k2-v16 or ngram-d4)")
         from tlt.device import check_device_name

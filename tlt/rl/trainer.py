@@ -94,6 +94,10 @@ class GRPOTrainer:
         engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
                              strategy=c.strategy)
         learning = None
+        if drafter is not None and c.drafter_train != "off" and c.rollout_dtype != "float32":
+            raise ConfigError(f"field 'rollout_dtype' is {c.rollout_dtype!r}: online drafter training runs on the "
+                              "engines' drafter in their dtype, which is not supported; set drafter_train=off (the "
+                              "drafter then serves frozen) or rollout_dtype=float32")
         if drafter is not None and c.drafter_train != "off":
             from tlt.speculative.drafter import Drafter, DrafterConfig
 
@@ -110,7 +114,7 @@ class GRPOTrainer:
             learning = DrafterLearning(c.spot(), drafter_config, root, log, evict=policies["drafter_buffer_evict"],
                                        sample=policies["drafter_buffer_sample"])
         if workers == 1:
-            model = load_model(c.model, device=self.device)
+            model = load_model(c.model, dtype=c.rollout_dtype, device=self.device)
             if drafter == "random":
                 from tlt.speculative.drafter import Drafter
 
@@ -122,7 +126,8 @@ class GRPOTrainer:
 
         threads = c.worker_threads or max(1, (c.threads or cores) // workers)
         fault = c.fault()
-        specs = [WorkerSpec(c.model, {**engine_fields, "seed": c.seed + w}, drafter, threads, seed=c.seed,
+        specs = [WorkerSpec(c.model, {**engine_fields, "seed": c.seed + w}, drafter, threads, dtype=c.rollout_dtype,
+                            seed=c.seed,
                             fault={k: v for k, v in fault.items() if k != "worker"}
                             if fault is not None and fault["worker"] == w else None)
                  for w in range(workers)]

@@ -45,7 +45,8 @@ from tlt.rollout.engine import acceptance_length
 class WorkerSpec:
     """What a worker builds: `model` (folder or built-in name), `engine` (EngineConfig fields other than
     the drafter), `drafter` (a folder, "default", "random": a fresh one, or None), torch `threads`,
-    `device` ("cpu", "cuda" or None: cuda when the worker sees one). `fault` is a drill: {"rollout": k,
+    `device` ("cpu", "cuda" or None: cuda when the worker sees one), the weights' `dtype` (None:
+    float32). `fault` is a drill: {"rollout": k,
     "after_steps": n} makes the worker's first incarnation exit abruptly n engine steps into its k-th
     rollout (0-based), as a crashed or preempted machine would."""
 
@@ -54,6 +55,7 @@ class WorkerSpec:
     drafter: str | None = None
     threads: int = 1
     device: str | None = None
+    dtype: str | None = None
     seed: int = 0
     fault: dict | None = None
     incarnation: int = 0
@@ -68,7 +70,7 @@ class RolloutWorker:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_model(spec.model, device=device)
+        model = load_model(spec.model, dtype=spec.dtype, device=device)
         drafter = spec.drafter
         if drafter == "random":
             from tlt.speculative.drafter import Drafter
