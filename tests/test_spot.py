@@ -394,3 +394,34 @@ def test_learning_rate_warms_up_over_the_trainers_life(target):
         rates.append(trainer.learning_rate())
     assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
     assert SpotTrainer(trainer.drafter, small(lr=1e-3, warmup_steps=0)).learning_rate() == 1e-3
+
+
+def test_a_low_precision_drafter_trains_as_a_float32_twin(target, records):
+    """An engine in bf16 keeps its drafter in bf16; the phase trains a float32 twin (over float32 copies
+    of the embedding and LM head) and writes its weights back, cast, before every hook and at the end.
+    It learns as the float32 drafter does."""
+    import copy
+
+    from tlt.speculative.train import acceptance_top1
+    from tlt.spot.trainer import run_phase
+
+    low = copy.deepcopy(target).to(torch.bfloat16)
+    drafter = Drafter.from_target(low, seed=0).eval()
+    start = {k: v.clone() for k, v in drafter.state_dict().items()}
+    seen = []
+    state, report = run_phase(drafter, None, records, [1.0] * len(records), small(max_steps=40), seed=0,
+                              after_step=lambda s: seen.append({k: v.clone() for k, v in drafter.state_dict().items()}))
+    assert report["steps"] == 40 and len(seen) == 40
+    assert all(v.dtype == torch.float32 for v in state["drafter"].values())
+    assert all(v.dtype == torch.bfloat16 for v in drafter.state_dict().values())
+    assert any(not torch.equal(start[k], v) for k, v in seen[0].items())  # published before the first hook
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(tensor, state["drafter"][name].to(torch.bfloat16)) and torch.equal(tensor, seen[-1][name])
+    twin = Drafter.from_target(target, seed=0)
+    twin.load_state_dict(state["drafter"])
+    full = Drafter.from_target(target, seed=0)
+    untrained = acceptance_top1(full, records)
+    run_phase(full, None, records, [1.0] * len(records), small(max_steps=40), seed=0)
+    assert acceptance_top1(twin, records) > untrained + 0.1
+    assert acceptance_top1(twin, records) >= acceptance_top1(full, records) - 0.05
+    assert not any(p.grad is not None for p in low.parameters())

@@ -336,21 +336,28 @@ def test_online_training_of_an_eagle3_drafter(model_dir, tmp_path):
 
 def test_rollout_in_bfloat16_with_float32_master_weights(model_dir):
     """rollout_dtype=bfloat16: the engine holds bf16 weights (each sync casts the trainer's fp32 ones),
-    old log-probs are recomputed by the trainer, so the first importance ratio is still 1."""
+    old log-probs are recomputed by the trainer, so the first importance ratio is still 1, and the spot
+    trainer trains a float32 twin of the engine's bf16 drafter."""
     with pytest.raises(ConfigError, match="'rollout_dtype'.*old_logprobs=recompute"):
         config(model_dir, rollout_dtype="bfloat16")
-    with pytest.raises(ConfigError, match="'rollout_dtype'.*drafter_train=off"):
-        GRPOTrainer(config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", drafter="random",
-                           speculative="adaptive", drafter_train="every"))
     c = config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", drafter="random", speculative="on",
-               strategy="tree-d3-k2-v4", drafter_train="off")
+               strategy="tree-d3-k2-v4", drafter_train="every", drafter_min_pairs=1, drafter_batch_tokens=128,
+               drafter_window=32, drafter_local_steps=3, steps=2)
     trainer = GRPOTrainer(c, log=lambda *_: None)
     try:
-        row = trainer.train_step()
+        engine_drafter = trainer.engine.drafter
+        before = {k: v.clone() for k, v in engine_drafter.state_dict().items()}
+        rows = [trainer.train_step() for _ in range(2)]
         assert trainer.engine.model.dtype == torch.bfloat16 and trainer.policy.dtype == torch.float32
-        assert row["ratio_first_max_dev"] < 1e-3 and row["loss"] != 0.0
+        assert all(r["ratio_first_max_dev"] < 1e-3 for r in rows) and rows[0]["loss"] != 0.0
         policy = trainer.policy.state_dict()
         for name, tensor in trainer.engine.model.state_dict().items():
             assert torch.equal(tensor, policy[name].to(torch.bfloat16)), name
+        # the drafter trained as a float32 twin; the engine's bf16 drafter holds its weights, cast
+        learned = trainer.rollout_backend.learning.state["drafter"]
+        assert rows[-1]["drafter_phase_steps"] == 3 and all(v.dtype == torch.float32 for v in learned.values())
+        for name, tensor in engine_drafter.state_dict().items():
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, learned[name].to(torch.bfloat16)), name
+        assert any(not torch.equal(before[k], v) for k, v in engine_drafter.state_dict().items())
     finally:
         trainer.close()

@@ -85,8 +85,8 @@ class TrainConfig:
     dtype: str = "float32"  # float32 or bfloat16 (autocast) for the trainer's forward; measure: on CPUs
     # without bf16 matrix units autocast is slower than float32
     # The rollout engines' weights: float32, bfloat16 or float16 (the trainer keeps float32 weights and
-    # each sync casts them). Not float32 needs old_logprobs=recompute (the engine's log-probs are then
-    # not the trainer's) and no online drafter training (it would train the drafter in that dtype).
+    # each sync casts them; the spot trainer trains a float32 twin of the engines' drafter). Not
+    # float32 needs old_logprobs=recompute: the engine's log-probs are then not the trainer's.
     rollout_dtype: str = "float32"
     trainer_processes: int = 1  # > 1: the update runs data-parallel over this many processes (tlt.rl.distributed)
     # --- run

@@ -94,10 +94,6 @@ class GRPOTrainer:
         engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
                              strategy=c.strategy)
         learning = None
-        if drafter is not None and c.drafter_train != "off" and c.rollout_dtype != "float32":
-            raise ConfigError(f"field 'rollout_dtype' is {c.rollout_dtype!r}: online drafter training runs on the "
-                              "engines' drafter in their dtype, which is not supported; set drafter_train=off (the "
-                              "drafter then serves frozen) or rollout_dtype=float32")
         if drafter is not None and c.drafter_train != "off":
             from tlt.speculative.drafter import Drafter, DrafterConfig
 

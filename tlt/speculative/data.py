@@ -154,9 +154,13 @@ class PackedBatch:
     targets: torch.Tensor  # [R, L, H]
     layers: torch.Tensor | None = None  # [R, L, k, H]
 
-    def to(self, device) -> "PackedBatch":
-        return PackedBatch(*(None if t is None else t.to(device) for t in
-                             (self.tokens, self.positions, self.mask, self.inputs, self.targets, self.layers)))
+    def to(self, device, dtype=None) -> "PackedBatch":
+        """On `device`; with `dtype`, the features (inputs, targets, layers) in that dtype too."""
+        def move(t, floating: bool):
+            return None if t is None else t.to(device, dtype if floating and dtype is not None else t.dtype)
+
+        return PackedBatch(move(self.tokens, False), move(self.positions, False), move(self.mask, False),
+                           move(self.inputs, True), move(self.targets, True), move(self.layers, True))
 
 
 def fill_rows(pairs: Iterator[Pairs], row_tokens: int) -> Iterator[list[Pairs]]:

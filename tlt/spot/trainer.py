@@ -164,7 +164,7 @@ class SpotTrainer:
                 if c.max_steps and result.steps >= c.max_steps:
                     result.stopped = "max_steps"
                     break
-                batch = next(batches).to(device)
+                batch = next(batches).to(device, self.drafter.fc.weight.dtype)
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.learning_rate()
                 loss, m = unrolled_loss(self.drafter, batch, loss_config)
@@ -216,15 +216,69 @@ def run_phase(drafter, state: dict | None, records: list, weights: list[float], 
     the driver or on a Ray worker, is the caller's business."""
     from tlt.spot.buffer import Entry, sampled_batches
 
-    trainer = SpotTrainer(drafter, config)
+    # An engine in bf16 / fp16 keeps serving its drafter in that dtype; training runs on a float32 twin,
+    # whose weights go back into the engine's drafter (cast) after the phase and before each hook.
+    trained = drafter if drafter.fc.weight.dtype == torch.float32 else float32_twin(drafter)
+
+    def publish() -> None:
+        if trained is not drafter:
+            with torch.no_grad():
+                for name, tensor in drafter.state_dict().items():
+                    tensor.copy_(trained.state_dict()[name])
+
+    def hook(steps: int) -> None:
+        publish()
+        after_step(steps)
+
+    trainer = SpotTrainer(trained, config)
     if state is not None:
         trainer.load_state_dict(state)
     entries = [Entry(r, 0, j) for j, r in enumerate(records)]
     batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
-    result = trainer.train(batches, should_stop, stop_requested_at, after_step)
+    result = trainer.train(batches, should_stop, stop_requested_at, hook if after_step is not None else None)
+    publish()
     report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": result.stop_latency_s,
               "stopped": result.stopped, **{f"loss_{k}": v for k, v in result.metrics.items()}}
     return trainer.state_dict(), report
+
+
+class TargetHead(torch.nn.Module):
+    """The only parts of a target a drafter uses (embedding, LM head, RoPE tables, config), as float32
+    copies: what a float32 twin of a bf16 / fp16 engine's drafter trains against."""
+
+    def __init__(self, target) -> None:
+        super().__init__()
+        c = self.config = target.config
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+        self.lm_head = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        with torch.no_grad():
+            self.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+            if c.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+            else:
+                self.lm_head.weight.copy_(target.lm_head.weight)
+        self.register_buffer("inv_freq", target.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling_factor = target.rope_scaling_factor
+        self.requires_grad_(False)
+        self.to(target.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+
+def float32_twin(drafter):
+    """A float32 copy of `drafter` (trainable weights) over a float32 `TargetHead` of its target."""
+    from tlt.speculative.drafter import Drafter
+
+    twin = Drafter(TargetHead(drafter.target), drafter.config)
+    twin.load_state_dict({k: v.float() for k, v in drafter.state_dict().items()})
+    return twin
 
 
 # --- checkpoints -----------------------------------------------------------------------------------

@@ -168,7 +168,8 @@ class RolloutWorker:
                 offered += 1
 
         state, report = run_phase(drafter, state, records, weights, config, seed,
-                                  lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase), after_step)
+                                  lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase),
+                                  after_step if swap_every and peers else None)
         return state, {**report, "offers": offered}
 
     def stop_training(self, phase: int) -> None:
