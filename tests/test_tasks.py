@@ -364,3 +364,18 @@ def test_tokenizer_load_errors_name_the_file(tmp_path) -> None:
     path.write_text('{"format": "tlt.CharTokenizer"}')
     with pytest.raises(ValueError, match=re.escape(str(path))):
         CharTokenizer.from_pretrained(tmp_path)
+
+
+def test_the_transformers_twin_of_the_character_tokenizer_gives_the_same_ids(task: ArithmeticTask) -> None:
+    from tlt.tasks import CharTokenizer
+
+    ours = CharTokenizer()
+    theirs = ours.to_transformers()
+    texts = [p.prompt for p in task.sample(20, seed=3, split="eval")] + [p.solution for p in task.sample(5, seed=4)]
+    for text in texts:
+        assert theirs(text)["input_ids"] == ours.encode(text)
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False)
+        ids = ours.encode(text) + [ours.eos_token_id]
+        assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids) == text
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (1, 2, 0)
+    assert theirs.batch_decode([ours.encode(t) for t in texts[:3]], skip_special_tokens=True) == texts[:3]

@@ -11,6 +11,7 @@ BENCHES = {
     "rollout": "tlt.bench.rollout",
     "speculative": "tlt.bench.speculative",
     "e2e": "tlt.bench.e2e",
+    "trl": "tlt.bench.trl",
 }
 
 

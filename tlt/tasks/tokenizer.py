@@ -129,6 +129,23 @@ class CharTokenizer:
             raise ValueError(f"token id {index} is out of range 0..{self.vocab_size - 1}")
         return self._id_to_token[index]
 
+    def to_transformers(self):
+        """The same tokenizer as a transformers `PreTrainedTokenizerFast` (same ids, `<bos>` prepended
+        when special tokens are added, special tokens dropped on decode when asked), for libraries
+        that need one, such as TRL. A transformers tokenizer cannot refuse a character outside the
+        vocabulary as `encode` does: it maps it to `<pad>`, so check text with `encode` first."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        core = Tokenizer(models.WordLevel(dict(self._token_to_id), unk_token=self.pad_token))
+        core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+        core.decoder = decoders.Fuse()
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A {self.bos_token} $B",
+            special_tokens=[(self.bos_token, self.bos_token_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=self.bos_token, eos_token=self.eos_token,
+                                       pad_token=self.pad_token)
+
     @classmethod
     def _special_tokens_map(cls) -> dict[str, str]:
         return {"pad_token": cls.pad_token, "bos_token": cls.bos_token, "eos_token": cls.eos_token}
