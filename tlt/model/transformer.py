@@ -184,7 +184,19 @@ def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, a
     return mask
 
 
-class Transformer(nn.Module):
+class OnLMHead:
+    """`dtype` and `device` of a module, read off its LM head (a Transformer, or a drafter's view of one)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+
+class Transformer(OnLMHead, nn.Module):
     """A Llama-family causal LM. See the module docstring for the two forward modes."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -205,14 +217,6 @@ class Transformer(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
 
     def new_cache(self, batch_size: int, **kwargs) -> KVCache:
         return KVCache.for_model(self, batch_size, **kwargs)

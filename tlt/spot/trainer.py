@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from tlt.errors import CheckpointError, ConfigError
+from tlt.model.transformer import OnLMHead
 from tlt.speculative.data import PackedBatch
 
 
@@ -242,7 +243,7 @@ def run_phase(drafter, state: dict | None, records: list, weights: list[float], 
     return trainer.state_dict(), report
 
 
-class TargetHead(torch.nn.Module):
+class TargetHead(OnLMHead, torch.nn.Module):
     """The only parts of a target a drafter uses (embedding, LM head, RoPE tables, config), as float32
     copies: what a float32 twin of a bf16 / fp16 engine's drafter trains against."""
 
@@ -262,14 +263,6 @@ class TargetHead(torch.nn.Module):
         self.rope_scaling_factor = target.rope_scaling_factor
         self.requires_grad_(False)
         self.to(target.device)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
 
 
 def float32_twin(drafter):
