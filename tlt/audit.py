@@ -245,11 +245,17 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p.prompt) for p in ArithmeticTask().sample(args.prompts, seed=args.seed, split="eval")]
 
 
-def load_drafter(name: str, model_name: str, model, systems: list[str]):
-    from tlt.speculative import Drafter, Strategy
+def uses_drafter(systems: list[str]) -> bool:
+    """Whether any system drafts with a learned drafter (adaptive has chain and tree arms)."""
+    from tlt.speculative import Strategy
 
-    needs = any(s == "adaptive" or (s != "off" and Strategy.parse(s).uses_drafter) for s in systems)
-    if name == "none" or not needs:
+    return any(s == "adaptive" or (s != "off" and Strategy.parse(s).uses_drafter) for s in systems)
+
+
+def load_drafter(name: str, model_name: str, model, systems: list[str]):
+    from tlt.speculative import Drafter
+
+    if name == "none" or not uses_drafter(systems):
         return None
     if name == "auto":
         name = "default" if model_name == "default" else "random"
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, "--device")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=device).eval(), load_tokenizer(args.model)
     drafter = load_drafter(args.drafter, args.model, model, systems)
-    if drafter is None and any(s == "adaptive" or (s != "off" and Strategy.parse(s).uses_drafter) for s in systems):
+    if drafter is None and uses_drafter(systems):
         raise ConfigError("--drafter none leaves no drafter for the chain/tree strategies and 'adaptive' in --systems")
     prompts = load_prompts(args, tokenizer)
     print(f"tlt audit: {args.model} ({args.dtype}), {len(prompts)} prompts x {args.samples} samples, temperature {args.temperature}, "

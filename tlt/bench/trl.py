@@ -55,7 +55,6 @@ def run_system(system: str, args, folder: Path, tokenizer, dataset, out: Path) -
     elif system == "trl+tlt":
         rollout = make_rollout_func(folder, speculative="adaptive", drafter="default", seed=args.seed)
     times: list[float] = []
-    tokens: list[int] = []
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, *_, **__):
@@ -75,9 +74,8 @@ def run_system(system: str, args, folder: Path, tokenizer, dataset, out: Path) -
     trainer.remove_callback(transformers.PrinterCallback)  # the per-step log dicts; the history keeps them
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    for h in logs:
-        tokens.append(h.get("completions/mean_length", 0.0))
-    result = {"step_times_s": times, "rewards": [h["reward"] for h in logs], "mean_lengths": tokens}
+    result = {"step_times_s": times, "rewards": [h["reward"] for h in logs],
+              "mean_lengths": [h.get("completions/mean_length", 0.0) for h in logs]}
     if rollout is not None:
         result["acceptance_length"] = rollout.engine.stats().get("acceptance_length")
     return result

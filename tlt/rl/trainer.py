@@ -205,12 +205,17 @@ class GRPOTrainer:
         metrics = self._metrics(episodes, rollout_stats, update, times, int(flat.sum()) // self.config.group_size)
         return {**metrics, **self._drafter_metrics(rollout_stats, phase)}
 
+    @property
+    def learning(self):
+        """The rollout backend's online drafter training (None when the drafter does not learn)."""
+        return getattr(self.rollout_backend, "learning", None)
+
     def _drafter_metrics(self, stats: dict, phase: dict) -> dict:
         """The drafter's side of a step: acceptance of the learned drafter's steps, the spot phase (optimizer
         steps, seconds, preemption latency, loss) and the workers' time split."""
         from tlt.spot.workers import acceptance_by_strategy, drafter_acceptance, rows_by_strategy
 
-        learning = getattr(self.rollout_backend, "learning", None)
+        learning = self.learning
         out = {"drafter_acceptance_length": drafter_acceptance(stats),
                "acceptance_by_strategy": acceptance_by_strategy(stats), "rows_by_strategy": rows_by_strategy(stats)}
         if learning is not None:
@@ -365,7 +370,7 @@ class GRPOTrainer:
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        learning = getattr(self.rollout_backend, "learning", None)
+        learning = self.learning
         return {"step": self.step, "data_position": self.step * self.config.prompts_per_step,
                 "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
@@ -384,7 +389,7 @@ class GRPOTrainer:
         random.setstate(state["python_rng"])
         if tuner_state is not None:
             self.rollout_backend.load_state(tuner_state if "tuners" in tuner_state else {"tuners": [tuner_state]})
-        learning = getattr(self.rollout_backend, "learning", None)
+        learning = self.learning
         if learning is not None and state.get("drafter_schedule") is not None:
             learning.schedule.load_state_dict(state["drafter_schedule"])
         self.step = int(state["step"])
@@ -394,7 +399,7 @@ class GRPOTrainer:
         """The drafter trainer's newest state as something `save_checkpoint` can save (None: none yet)."""
         from tlt.spot.trainer import StateSnapshot
 
-        learning = getattr(self.rollout_backend, "learning", None)
+        learning = self.learning
         if learning is None or learning.state is None:
             return None
         return StateSnapshot(learning.state, learning.drafter_config, {"rl_step": self.step})
@@ -404,7 +409,7 @@ class GRPOTrainer:
         at its next rollout."""
         from tlt.spot.trainer import read_state
 
-        learning = getattr(self.rollout_backend, "learning", None)
+        learning = self.learning
         if learning is None:
             self.log(f"{folder}: the run is resumed without drafter training; its trained drafter is not loaded")
             return
@@ -414,11 +419,11 @@ class GRPOTrainer:
 
     def drafter_buffer(self):
         """The online buffer to save with a checkpoint (None: no drafter training, or not asked)."""
-        learning = getattr(self.rollout_backend, "learning", None)
+        learning = self.learning
         return learning.buffer if learning is not None and self.config.drafter_buffer_checkpoint else None
 
     def load_drafter_buffer(self, folder: Path) -> None:
-        learning = getattr(self.rollout_backend, "learning", None)
+        learning = self.learning
         if learning is None:
             self.log(f"{folder}: the run is resumed without drafter training; its online buffer is not loaded")
             return
