@@ -115,7 +115,7 @@ def test_rewards_older_than_the_window_drop_out():
 
 @pytest.mark.parametrize("epsilon", [0.0, 0.2])
 def test_epsilon_sets_the_exploration_rate(epsilon):
-    tuner, rng = Tuner(TunerConfig(arms=ARMS, epsilon=epsilon, seed=5)), random.Random(5)
+    tuner, rng = Tuner(TunerConfig(arms=ARMS, epsilon=epsilon, seed=5, explore="uniform")), random.Random(5)
     means = MEANS[8]
     run(tuner, 8, means, len(ARMS), rng)  # the untried-first sweep
     steps, off_greedy = 3000, 0
@@ -130,6 +130,42 @@ def test_epsilon_sets_the_exploration_rate(epsilon):
     assert explored / steps == pytest.approx(epsilon, abs=0.03)
     if epsilon == 0:
         assert off_greedy == 0 and explored == 0
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_cost_exploration_runs_a_slow_arm_in_proportion_to_its_step_time(timed):
+    """explore="cost": an exploration draw of an arm whose steps take k times as long as the greedy
+    arm's runs 1/k of the time, so exploring adds about epsilon of the decode time however slow the
+    worst arm is (at large batch a tree step costs 10-15 plain steps), where uniform exploration pays
+    for the slowest arm at full rate. Speculative arms emit more tokens per step than "off", so step
+    time and reward disagree; without step times (`timed` False) the reward ratio stands in."""
+    means = {"off": 1000.0, "ngram-d4": 800.0, "chain-d3": 500.0, "tree-d8-k4-v48": 200.0}  # tokens/s
+    tokens = {"off": 100, "ngram-d4": 150, "chain-d3": 250, "tree-d8-k4-v48": 400}  # tokens per step
+    arms, steps, epsilon = tuple(means), 20000, 0.2
+    overhead = {}
+    for explore in ("cost", "uniform"):
+        config = TunerConfig(arms=arms, epsilon=epsilon, seed=7, prune_ratio=0.0, explore=explore)
+        tuner, rng = Tuner(config), random.Random(7)
+        counts, seconds, emitted = dict.fromkeys(arms, 0), 0.0, 0
+        for _ in range(steps):
+            arm = tuner.choose(64)
+            reward = noisy(rng, means[arm], sigma=0.05)
+            step = tokens[arm] / reward
+            tuner.update(64, arm, reward, seconds=step if timed else None)
+            counts[arm] += 1
+            seconds, emitted = seconds + step, emitted + tokens[arm]
+        overhead[explore] = seconds / (emitted / means["off"]) - 1  # over emitting the same tokens with "off"
+        run_rate = {a: 1.0 for a in arms}
+        if explore == "cost":
+            run_rate = {a: (tokens["off"] * means[a] / (tokens[a] * means["off"]) if timed else means[a] / means["off"])
+                        for a in arms}
+        for arm in arms[1:]:
+            share = epsilon / len(arms) * run_rate[arm]
+            assert counts[arm] / steps == pytest.approx(share, rel=0.15, abs=0.002), (explore, arm)
+        explored = tuner.stats()["buckets"][tuner.bucket_of(64)]["explored"]
+        assert explored / steps == pytest.approx(epsilon * sum(run_rate.values()) / len(arms), rel=0.1)
+    # measured: cost 0.07 timed, 0.22 from rewards alone (they understate a many-token step's time), uniform 0.77
+    assert overhead["cost"] < (epsilon / 2 if timed else 1.5 * epsilon) < 3 * epsilon < overhead["uniform"]
 
 
 def test_untried_arms_come_first_in_config_order():
@@ -150,14 +186,17 @@ def test_same_seed_same_choices_and_different_seed_differs():
     assert choices(3) != choices(4)
 
 
-def test_state_dict_round_trips_through_json_and_continues_identically():
-    original, rng = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5)), random.Random(4)
+@pytest.mark.parametrize("explore", ["cost", "uniform"])
+def test_state_dict_round_trips_through_json_and_continues_identically(explore):
+    config = TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, explore=explore)
+    original, rng = Tuner(config), random.Random(4)
     for b in (1, 8, 64):
         run(original, b, {**MEANS[b], "tree-d4-k2-v8": 1} if b == 1 else MEANS[b], 300, rng)
-    assert original.stats()["buckets"][0]["pruned"]  # pruning records travel too
+    if explore == "uniform":  # (under "cost" an arm 100x slower is hardly ever run, so never pruned)
+        assert original.stats()["buckets"][0]["pruned"]  # pruning records travel too
     state = json.loads(json.dumps(original.state_dict()))
     restored = Tuner.from_state_dict(state)
-    loaded = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5))
+    loaded = Tuner(config)
     loaded.load_state_dict(state)
     assert restored.stats() == original.stats() == loaded.stats()
     streams = [random.Random(7) for _ in range(3)]
@@ -165,6 +204,19 @@ def test_state_dict_round_trips_through_json_and_continues_identically():
                for t, s in zip((original, restored, loaded), streams)]
     assert futures[0] == futures[1] == futures[2]
     assert original.state_dict() == restored.state_dict() == loaded.state_dict()
+
+
+def test_a_version_1_state_without_step_times_still_loads():
+    tuner, rng = Tuner(TunerConfig(arms=ARMS)), random.Random(4)
+    for _ in range(50):
+        arm = tuner.choose(8)
+        tuner.update(8, arm, noisy(rng, MEANS[8][arm]), seconds=0.01)
+    state = json.loads(json.dumps(tuner.state_dict()))
+    assert state["buckets"][tuner.bucket_of(8)]["seconds"]
+    old = {**state, "version": 1, "buckets": [{k: v for k, v in b.items() if k != "seconds"} for b in state["buckets"]]}
+    restored = Tuner.from_state_dict(old)
+    assert restored.stats() == tuner.stats()
+    assert all(not b["seconds"] for b in restored.state_dict()["buckets"])
 
 
 def test_load_state_dict_rejects_another_config():
@@ -177,7 +229,8 @@ def test_load_state_dict_rejects_another_config():
 
 def test_pruning_drops_a_clearly_bad_arm_but_never_off_and_logs_it():
     logged = []
-    tuner = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=10, prune_ratio=0.5), log=logged.append)
+    tuner = Tuner(TunerConfig(arms=ARMS, epsilon=0.3, prune_after=10, prune_ratio=0.5, explore="uniform"),
+                  log=logged.append)
     means = {**MEANS[1], "off": 10, "tree-d4-k2-v8": 20}  # off and tree-d4 earn far below half of 110
     rng = random.Random(6)
     run(tuner, 1, means, 800, rng)

@@ -3,7 +3,8 @@
 The live batch of a rollout sweeps from large (where speculation costs more than it saves) to tiny
 (where it wins most), and the best draft shape also moves with the drafter's quality. So every step
 asks the bucketed bandit (tuner.py) for an arm, runs the speculative decoder with that strategy, and
-pays the arm back with the step's accepted tokens per second (tokens emitted / decode time). "off" is
+pays the arm back with the step's accepted tokens per second (tokens emitted / decode time) and its
+duration (what the tuner weighs exploration by: at large batch one tree step costs many plain ones). "off" is
 an arm like any other, so the batch size at which speculation switches on is measured, not guessed.
 
 Switching is free of target work: the speculative decoder feeds the drafter's pending pairs from every
@@ -54,5 +55,5 @@ class AdaptiveDecoder:
         start = time.perf_counter()
         result = self.spec.decode(batch, self.strategies[arm])
         elapsed = max(time.perf_counter() - start, 1e-9)
-        self.tuner.update(size, arm, sum(map(len, result.tokens)) / elapsed)
+        self.tuner.update(size, arm, sum(map(len, result.tokens)) / elapsed, seconds=elapsed)
         return result

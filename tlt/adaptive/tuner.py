@@ -9,8 +9,19 @@ catches everything larger. (1, 2, 4, 8, 16, 32) gives buckets 1 | 2 | 3-4 | 5-8 
 Inside a bucket, `choose` is epsilon-greedy:
 1. Untried arms first, in config order (an untried arm scores +inf), so every arm is measured once
    before any is trusted.
-2. With probability `epsilon`, a uniformly random arm (the greedy one included).
+2. With probability `epsilon`, an exploration draw: a uniformly random arm (the greedy one included).
+   With `explore="cost"` (the default) a drawn arm whose steps take longer than the greedy arm's runs
+   only with probability seconds(greedy) / seconds(arm), the median step times of the two in the
+   bucket, and the step is greedy otherwise; `explore="uniform"` always runs it (textbook
+   epsilon-greedy). Without step times (`update` called without `seconds`) the reward ratio
+   score(arm) / score(greedy) stands in: the two agree when every arm emits the same tokens per step.
 3. Otherwise the arm with the best score, ties going to the arm listed first.
+Why "cost": an exploration step can cost many plain steps, and at large batch the spread is wide: a
+tree verification of 128 rows (plus the drafter's catch-up over every pair the plain steps queued)
+took as long as 10-15 plain steps on the default model, so uniform exploration at epsilon = 0.1 made
+the adaptive engine 0.6x as fast as plain decoding at a constant batch of 128. Weighting each draw by
+the step-time ratio caps what a draw costs at about one greedy step's time, however slow the arm,
+while arms about as fast as the greedy one, the only ones that can overtake it, run at the full rate.
 Only arms not pruned from the bucket and accepted by the caller's `allowed` predicate compete: the
 engine uses it for a memory guard (draft tokens x batch) and to drop drafter arms when no drafter is
 loaded.
@@ -73,7 +84,9 @@ from tlt.speculative.strategy import Strategy
 # n-gram drafting stays for cold start and for the loops a sampled policy falls into.
 DEFAULT_ARMS = ("off", "ngram-d4", "chain-d4", "tree-d4-k4-v16", "tree-d6-k4-v24")
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 added step times; version-1 states load with none
+EXPLORE = ("cost", "uniform")
+STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,7 @@ class TunerConfig:
     seed: int | None = 0
     prune_after: int = 20
     prune_ratio: float = 0.5
+    explore: str = "cost"
 
     def __post_init__(self) -> None:
         for name in ("buckets", "arms"):
@@ -119,6 +133,8 @@ class TunerConfig:
         if self.seed is not None:
             _check_int("seed", self.seed, None)
         _check_int("prune_after", self.prune_after, 1)
+        if self.explore not in EXPLORE:
+            raise ConfigError(f"TunerConfig field 'explore' must be one of {EXPLORE}, got {self.explore!r}")
         _check_float("prune_ratio", self.prune_ratio, 0.0, 1.0, open_high=True)
 
 
@@ -166,6 +182,7 @@ class _Bucket:
         self.choices = {a: 0 for a in arms}
         self.windows = {a: deque(maxlen=window) for a in arms}  # arm -> deque of (stamp, reward)
         self.pruned: dict[str, dict] = {}
+        self.seconds = {a: deque(maxlen=STEP_TIMES) for a in arms}  # arm -> recent step times
         self.summaries: dict[str, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
 
 
@@ -198,23 +215,42 @@ class Tuner:
         untried = [a for a in candidates if not bucket.windows[a]]
         if untried:
             arm = untried[0]
-        elif self._rng.random() < self.config.epsilon:
-            arm = candidates[self._rng.randrange(len(candidates))]
+        elif self._rng.random() < self.config.epsilon and self._runs(bucket, candidates,
+                                                                      drawn := candidates[self._rng.randrange(len(candidates))]):
+            arm = drawn
             bucket.explored += 1
         else:
             arm = self._greedy(bucket, candidates)
         bucket.choices[arm] += 1
         return arm
 
-    def update(self, batch_size: int, arm: str, reward: float) -> None:
-        """Record the reward (accepted tokens per second) that `arm` earned on a step at `batch_size`."""
+    def _runs(self, bucket: _Bucket, candidates: list[str], drawn: str) -> bool:
+        """Whether an exploration draw of `drawn` runs: always under explore="uniform"; under "cost",
+        with probability min(1, seconds(greedy) / seconds(drawn)) (see the module docstring)."""
+        if self.config.explore == "uniform":
+            return True
+        greedy = self._greedy(bucket, candidates)
+        if bucket.seconds[greedy] and bucket.seconds[drawn]:
+            fast, slow = statistics.median(bucket.seconds[greedy]), statistics.median(bucket.seconds[drawn])
+        else:
+            fast, slow = self._score(bucket, drawn), self._score(bucket, greedy)
+        return self._rng.random() * slow < fast
+
+    def update(self, batch_size: int, arm: str, reward: float, seconds: float | None = None) -> None:
+        """Record the reward (accepted tokens per second) that `arm` earned on a step at `batch_size`,
+        and the step's duration when given (what explore="cost" weighs exploration draws by)."""
         if arm not in self._buckets[0].choices:
             raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) or reward < 0:
-            raise ValueError(f"reward must be a finite number >= 0 (tokens per second), got {reward!r}")
+        for name, value in (("reward", reward), ("seconds", seconds)):
+            if value is None and name == "seconds":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         i = self.bucket_of(batch_size)
         bucket = self._buckets[i]
         bucket.windows[arm].append((bucket.clock, float(reward)))
+        if seconds is not None:
+            bucket.seconds[arm].append(float(seconds))
         bucket.clock += 1
         bucket.summaries.pop(arm, None)
         self._prune(i)
@@ -313,6 +349,7 @@ class Tuner:
                 "explored": b.explored,
                 "choices": dict(b.choices),
                 "windows": {a: [[s, r] for s, r in w] for a, w in b.windows.items() if w},
+                "seconds": {a: list(t) for a, t in b.seconds.items() if t},
                 "pruned": {a: dict(r) for a, r in b.pruned.items()},
             } for b in self._buckets],
         }
@@ -335,6 +372,8 @@ class Tuner:
             for arm, window in saved_bucket["windows"].items():
                 bucket.windows[arm].extend((int(s), float(r)) for s, r in window)
             bucket.pruned = {a: dict(r) for a, r in saved_bucket["pruned"].items()}
+            for arm, times in saved_bucket.get("seconds", {}).items():
+                bucket.seconds[arm].extend(float(t) for t in times)
             buckets.append(bucket)
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
@@ -349,6 +388,6 @@ class Tuner:
 
     @staticmethod
     def _config_of(state: dict) -> TunerConfig:
-        if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"tuner state version {state.get('version')!r} is not {STATE_VERSION}")
+        if state.get("version") not in (1, STATE_VERSION):
+            raise ConfigError(f"tuner state version {state.get('version')!r} is not {STATE_VERSION} (or 1)")
         return from_dict(TunerConfig, state["config"], source="tuner state")

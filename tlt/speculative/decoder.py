@@ -28,10 +28,14 @@ from tlt.speculative.tree import chain_draft, expand
 from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
 
 
+MIN_PENDING = 8  # pending slots allocated at least, per row
+
+
 class DraftState:
     """Per live row: the drafter's KV cache and the (target feature, token) pairs it has not consumed
-    yet, right-padded: features [B, M, H], tokens [B, M], `count` [B] pairs per row, the first of
-    them at position `start` [B] (pairs of a row are consecutive)."""
+    yet, right-padded: features [B, M, H], tokens [B, M] (M: capacity, at least the largest count),
+    `count` [B] pairs per row, the first of them at position `start` [B] (pairs of a row are
+    consecutive)."""
 
     def __init__(self, cache, features: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
                  start: torch.Tensor) -> None:
@@ -43,7 +47,9 @@ class DraftState:
         B, K = tokens.shape
         width = int((self.count + k).max())
         if width > self.tokens.shape[1]:
-            grow = width - self.tokens.shape[1]
+            # Geometric growth: plain steps add a pair per row every step, and growing by exactly what
+            # is needed would copy the whole pending buffer each time (quadratic in the run of steps).
+            grow = max(width, 2 * self.tokens.shape[1], MIN_PENDING) - self.tokens.shape[1]
             self.features = torch.cat([self.features, self.features.new_zeros(B, grow, self.features.shape[2])], 1)
             self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(B, grow)], 1)
         slot = self.count[:, None] + torch.arange(K, device=tokens.device)  # [B, K]
@@ -56,7 +62,8 @@ class DraftState:
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select_rows(rows)
-        self.features, self.tokens = self.features[rows], self.tokens[rows]
+        used = int(self.count[rows].max()) if len(rows) else 0  # the copy leaves spare capacity behind
+        self.features, self.tokens = self.features[rows, :used], self.tokens[rows, :used]
         self.count, self.start = self.count[rows], self.start[rows]
 
     def extend(self, other: "DraftState") -> None:
