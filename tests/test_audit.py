@@ -115,6 +115,33 @@ def test_cli_writes_the_record_and_names_a_bad_system(tmp_path, capsys, monkeypa
     assert "bushy-d3" in capsys.readouterr().err
 
 
+def test_cli_audits_the_prompts_of_a_dataset(tmp_path, capsys):
+    """--dataset F --prompt-column C: the audit samples from the dataset's prompts (all of them when
+    --prompts asks for more), and a column the file lacks is refused naming it."""
+    from test_bench_speculative import tiny_folders as folders_fixture
+
+    from tlt.tokenizer import load_tokenizer
+
+    model_dir, _ = folders_fixture.__wrapped__(tmp_path)
+    questions = ["Q:1+2\nA:", "Q:3*4-1\nA:", "Q:5-1+7\nA:"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "0"}) + "\n" for q in questions))
+    args = audit_module.argparse.Namespace(dataset=str(data), prompt_column="question", prompts=5, samples=8, seed=0)
+    tokenizer = load_tokenizer(model_dir)
+    assert audit_module.load_prompts(args, tokenizer) == [tokenizer.encode(q) for q in questions]
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--model", str(model_dir), "--drafter", "random", "--systems", "off,ngram-d3",
+                 "--dataset", str(data), "--prompt-column", "question", "--prompts", "5", "--samples", "8",
+                 "--max-tokens", "12", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert code == (0 if record["passed"] else 1)
+    assert record["config"]["dataset"] == str(data) and all(r["tokens"] > 0 for r in record["systems"].values())
+    assert "3 prompts x 8 samples" in capsys.readouterr().err
+    assert main(["audit", "--model", str(model_dir), "--dataset", str(data), "--prompt-column", "problem"]) == 2
+    err = capsys.readouterr().err
+    assert "problem" in err and "prompts.jsonl" in err
+
+
 def test_chunking_the_teacher_forced_pass_changes_nothing(monkeypatch):
     import tlt
 

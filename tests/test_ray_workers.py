@@ -86,13 +86,22 @@ def test_a_worker_killed_mid_rollout_is_restarted_without_losing_or_duplicating_
         rollout.close()
 
 
-def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir):
-    from tlt.speculative.drafter import DrafterConfig
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle1", "eagle3"])
+def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir, tmp_path, eagle3):
+    """With an EAGLE-3 drafter (fused target layers) the workers' rollouts carry those layers' states
+    into the buffer, and the trained fusion reaches every worker too."""
     from tlt.model import load_model
+    from tlt.speculative.drafter import Drafter, DrafterConfig
 
     config = SpotConfig(when="every", min_pairs=1, lr=3e-3, batch_tokens=128, rows=2, window=32)
-    learning = DrafterLearning(config, DrafterConfig.for_target(load_model(model_dir)), None, log=lambda *_: None)
-    pool = pool_of(model_dir, engine={"speculative": "adaptive"}, drafter="random")
+    target = load_model(model_dir)
+    drafter, layers = "random", None
+    if eagle3:
+        layers = (0, target.config.num_hidden_layers - 1)
+        Drafter.from_target(target, feature_layers=layers, seed=0).save(tmp_path / "eagle3")
+        drafter = str(tmp_path / "eagle3")
+    learning = DrafterLearning(config, DrafterConfig.for_target(target, layers), None, log=lambda *_: None)
+    pool = pool_of(model_dir, engine={"speculative": "adaptive"}, drafter=drafter)
     rollout = PooledRollout(pool, learning, log=lambda *_: None, swap_every=1)
     try:
         _, first = rollout.generate(PROMPTS, params(long_first=True), 0, 0)
@@ -113,9 +122,12 @@ def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir):
         states = ray.get([a.tuner_state.remote() for a in pool.actors])
         assert all(s is not None for s in states)
         trained = learning.state["drafter"]
+        assert ("fuse.weight" in trained) == eagle3
+        if eagle3:
+            assert all(e.record.layers is not None for e in learning.buffer.entries)
         for actor in pool.actors:  # every worker drafts with the trained weights
-            fc = ray.get(actor.drafter_tensor.remote("fc.weight"))
-            assert torch.equal(fc, trained["fc.weight"])
+            for name in ("fc.weight", "fuse.weight") if eagle3 else ("fc.weight",):
+                assert torch.equal(ray.get(actor.drafter_tensor.remote(name)), trained[name])
     finally:
         rollout.close()
 
