@@ -324,13 +324,15 @@ class RolloutEngine:
                          output_layers=output_layers)
         rows = torch.arange(len(groups), device=device)
         hidden = out.hidden_states[rows, lengths - 1]  # [G, H]
-        layers = stacked_layers(out, output_layers)
+        # Layer states at the last prompt position, only on request (the drafter reads `out` itself).
+        wanted = output_layers and any(s.params.return_hidden_states for g in groups for s in g.seqs)
+        layers = torch.stack([out.layer_states[i][rows, lengths - 1] for i in output_layers], 1) if wanted else None
         counts = torch.tensor([len(g.seqs) for g in groups], device=device)
         cache.fork(counts)
         logits = out.logits[:, 0].repeat_interleave(counts, 0)  # [N, V]
         hidden = hidden.repeat_interleave(counts, 0)  # [N, H]
         if layers is not None:
-            layers = layers[rows, lengths - 1].repeat_interleave(counts, 0)  # [N, L, H]
+            layers = layers.repeat_interleave(counts, 0)  # [N, L, H]
         seqs = [s for g in groups for s in g.seqs]
         fresh = LiveBatch(seqs, cache, torch.zeros(len(seqs), dtype=torch.long, device=device))
         first = sample_next(fresh, logits, hidden, layers)
