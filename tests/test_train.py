@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tlt.adaptive import TunerConfig
 from tlt.config import from_dict
 from tlt.errors import ConfigError, StaleWeightsError, TrainingError
 from tlt.rl import GRPOTrainer, TrainConfig
@@ -127,6 +128,12 @@ def test_bad_config_names_the_key(tmp_path):
         TrainConfig(speculative="on")
     with pytest.raises(ConfigError, match="field 'device' must be auto, cpu, cuda or cuda:N, got 'gpu'"):
         from_dict(TrainConfig, {"device": "gpu"})
+    with pytest.raises(ConfigError, match="field 'tuner_explore' must be one of"):
+        from_dict(TrainConfig, {"tuner_explore": "greedy"})
+    with pytest.raises(ConfigError, match="field 'tuner_arms' must include 'off'"):
+        from_dict(TrainConfig, {"tuner_arms": "chain-d4,ngram-d4"})
+    with pytest.raises(ConfigError, match="field 'tuner_arms'.*bushy"):
+        from_dict(TrainConfig, {"tuner_arms": "off,bushy-d3"})
 
 
 def test_device_is_resolved_at_start(model_dir):
@@ -188,8 +195,11 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
 
 def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_dir):
     lines = []
-    trainer = GRPOTrainer(config(model_dir, drafter="auto", speculative="adaptive"), log=lines.append)
+    c = from_dict(TrainConfig, {**vars(config(model_dir, drafter="auto", speculative="adaptive")),
+                                "tuner_arms": "off,ngram-d4", "tuner_epsilon": "0.3", "tuner_explore": "uniform"})
+    trainer = GRPOTrainer(c, log=lines.append)
     assert trainer.engine.decoder.spec.drafter is None
+    assert trainer.engine.tuner.config == TunerConfig(arms=("off", "ngram-d4"), epsilon=0.3, explore="uniform")
     assert any("n-gram drafts only" in line for line in lines)
     row = trainer.train_step()
     assert set(row["strategies"]) <= {"off", "ngram-d4"}

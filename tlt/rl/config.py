@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tlt.adaptive.tuner import DEFAULT_ARMS
 from tlt.errors import ConfigError
 
 
@@ -39,6 +40,12 @@ class TrainConfig:
     speculative: str = "adaptive"  # off, on (one fixed `strategy`) or adaptive
     strategy: str | None = None
     max_batch_size: int = 256
+    # The adaptive engine's tuner (tlt/adaptive/tuner.py): batch-size bucket bounds, arms (strategy
+    # names, "off" among them), epsilon and how exploration draws are weighed ("cost" or "uniform").
+    tuner_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    tuner_arms: tuple[str, ...] = DEFAULT_ARMS
+    tuner_epsilon: float = 0.1
+    tuner_explore: str = "cost"
     # --- rollout workers and the adaptive drafter
     workers: int = 0  # rollout workers: 0 = one per core (a local Ray cluster), 1 = in-process
     ray_address: str | None = None  # join this Ray cluster instead of starting a local one
@@ -149,6 +156,7 @@ class TrainConfig:
         if self.drafter_fault is not None:
             self.fault()
         self.spot()  # validates the drafter-training fields
+        self.tuner()  # and the tuner's
         self.loss()  # validates the loss fields
 
     def spot(self):
@@ -164,6 +172,15 @@ class TrainConfig:
                               seed=self.seed)
         except ConfigError as exc:
             raise ConfigError(f"{exc} (set through the TrainConfig fields drafter_*)") from None
+
+    def tuner(self):
+        from tlt.adaptive.tuner import TunerConfig
+
+        try:
+            return TunerConfig(buckets=self.tuner_buckets, arms=self.tuner_arms, epsilon=self.tuner_epsilon,
+                               explore=self.tuner_explore)
+        except ConfigError as exc:  # name the TrainConfig key, not the TunerConfig one
+            raise ConfigError(str(exc).replace("TunerConfig field '", "field 'tuner_")) from None
 
     def fault(self) -> dict | None:
         """The drill of `drafter_fault` "W:K:N" as (worker, {"rollout": K, "after_steps": N})."""

@@ -92,7 +92,7 @@ class GRPOTrainer:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         workers = c.workers or cores
         engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
-                             strategy=c.strategy)
+                             strategy=c.strategy, tuner=c.tuner() if c.speculative == "adaptive" else None)
         learning = None
         if drafter is not None and c.drafter_train != "off":
             from tlt.speculative.drafter import Drafter, DrafterConfig
