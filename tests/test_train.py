@@ -136,6 +136,16 @@ def test_bad_config_names_the_key(tmp_path):
         from_dict(TrainConfig, {"tuner_arms": "off,bushy-d3"})
 
 
+def test_rollout_layout_puts_one_worker_on_each_gpu_by_default():
+    from tlt.rl.trainer import rollout_layout
+
+    assert rollout_layout(0, 0.0, cores=16, gpus=0) == (16, 0.0)  # CPU: one worker per core
+    assert rollout_layout(0, 0.0, cores=16, gpus=8) == (8, 1.0)  # trainer on CUDA: one per GPU, holding it
+    assert rollout_layout(0, 0.5, cores=16, gpus=8) == (8, 0.5)  # an explicit share is kept
+    assert rollout_layout(0, 0.0, cores=16, gpus=1) == (1, 1.0)  # one GPU: the in-process engine
+    assert rollout_layout(3, 0.0, cores=16, gpus=8) == (3, 0.0)  # explicit workers are left as set
+
+
 def test_device_is_resolved_at_start(model_dir):
     from tlt.device import resolve_device
 

@@ -47,7 +47,8 @@ class TrainConfig:
     tuner_epsilon: float = 0.1
     tuner_explore: str = "cost"
     # --- rollout workers and the adaptive drafter
-    workers: int = 0  # rollout workers: 0 = one per core (a local Ray cluster), 1 = in-process
+    workers: int = 0  # rollout workers: 0 = one per core (a local Ray cluster; one per GPU, each holding one,
+    # when the trainer runs on CUDA: a single GPU gives the in-process engine), 1 = in-process
     ray_address: str | None = None  # join this Ray cluster instead of starting a local one
     worker_threads: int = 0  # torch threads per worker (0: cores // workers, at least 1)
     worker_gpus: float = 0.0  # GPUs each Ray worker asks for (multi-node GPU clusters)

@@ -45,6 +45,19 @@ def stream_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
+def rollout_layout(workers: int, worker_gpus: float, cores: int, gpus: int) -> tuple[int, float]:
+    """(rollout workers, GPUs per Ray worker) for the `workers` and `worker_gpus` fields. workers=0 means
+    one per core, except on a local machine whose trainer runs on CUDA (`gpus` > 0 visible GPUs): then
+    one per GPU, each holding one (a single GPU gives the in-process engine on the trainer's device).
+    Ray hides GPUs from actors that ask for none, so one-per-core workers there would decode on the CPU
+    beside an idle GPU."""
+    if workers:
+        return workers, worker_gpus
+    if gpus:
+        return gpus, worker_gpus or 1.0
+    return cores, worker_gpus
+
+
 class GRPOTrainer:
     def __init__(self, config: TrainConfig, run_dir: str | Path | None = None, log=print) -> None:
         from tlt.model import load_model
@@ -90,7 +103,8 @@ class GRPOTrainer:
                     "(train one with tlt train-drafter and pass drafter=DIR, or drafter=random to learn one "
                     "online from scratch)")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        workers = c.workers or cores
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" and c.ray_address is None else 0
+        workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
         engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
                              strategy=c.strategy, tuner=c.tuner() if c.speculative == "adaptive" else None)
         learning = None
@@ -130,8 +144,9 @@ class GRPOTrainer:
         # On a cluster each worker reserves a CPU so Ray spreads them over machines; on the local cluster
         # threads are set here, and reserving none lets several pools (a benchmark's runs) coexist.
         pool = RayPool(specs, c.ray_address, cpus_per_worker=1 if c.ray_address else 0,
-                       gpus_per_worker=c.worker_gpus, log=log)
-        log(f"rollout on {workers} Ray workers ({threads} thread(s) each)"
+                       gpus_per_worker=worker_gpus, log=log)
+        log(f"rollout on {workers} Ray workers ({threads} thread(s)" + (f", {worker_gpus:g} GPU" if worker_gpus else "")
+            + " each)"
             + (f", drafter trained on released workers ({c.drafter_train})" if learning is not None else ""))
         return PooledRollout(pool, learning, log, swap_every=c.drafter_hot_swap_every)
 
