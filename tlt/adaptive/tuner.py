@@ -215,26 +215,27 @@ class Tuner:
         untried = [a for a in candidates if not bucket.windows[a]]
         if untried:
             arm = untried[0]
-        elif self._rng.random() < self.config.epsilon and self._runs(bucket, candidates,
-                                                                      drawn := candidates[self._rng.randrange(len(candidates))]):
-            arm = drawn
-            bucket.explored += 1
         else:
-            arm = self._greedy(bucket, candidates)
+            drawn = self._explore(bucket, candidates) if self._rng.random() < self.config.epsilon else None
+            arm = drawn or self._greedy(bucket, candidates)
         bucket.choices[arm] += 1
         return arm
 
-    def _runs(self, bucket: _Bucket, candidates: list[str], drawn: str) -> bool:
-        """Whether an exploration draw of `drawn` runs: always under explore="uniform"; under "cost",
-        with probability min(1, seconds(greedy) / seconds(drawn)) (see the module docstring)."""
-        if self.config.explore == "uniform":
-            return True
-        greedy = self._greedy(bucket, candidates)
-        if bucket.seconds[greedy] and bucket.seconds[drawn]:
-            fast, slow = statistics.median(bucket.seconds[greedy]), statistics.median(bucket.seconds[drawn])
-        else:
-            fast, slow = self._score(bucket, drawn), self._score(bucket, greedy)
-        return self._rng.random() * slow < fast
+    def _explore(self, bucket: _Bucket, candidates: list[str]) -> str | None:
+        """An exploration draw: a uniformly random candidate, which runs always under explore="uniform"
+        and under "cost" with probability min(1, seconds(greedy) / seconds(drawn)) (see the module
+        docstring); None when it does not run."""
+        drawn = candidates[self._rng.randrange(len(candidates))]
+        if self.config.explore == "cost":
+            greedy = self._greedy(bucket, candidates)
+            if bucket.seconds[greedy] and bucket.seconds[drawn]:
+                fast, slow = statistics.median(bucket.seconds[greedy]), statistics.median(bucket.seconds[drawn])
+            else:
+                fast, slow = self._score(bucket, drawn), self._score(bucket, greedy)
+            if self._rng.random() * slow >= fast:
+                return None
+        bucket.explored += 1
+        return drawn
 
     def update(self, batch_size: int, arm: str, reward: float, seconds: float | None = None) -> None:
         """Record the reward (accepted tokens per second) that `arm` earned on a step at `batch_size`,
