@@ -270,6 +270,8 @@ def test_update_rejects_bad_input():
     for reward in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="reward"):
             tuner.update(1, "off", reward)
+        with pytest.raises(ValueError, match="seconds"):
+            tuner.update(1, "off", 1.0, seconds=reward)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -278,6 +280,7 @@ def test_update_rejects_bad_input():
     ("arms", ("chain-d3",)), ("arms", ("off", "off")), ("epsilon", 1.5), ("epsilon", -0.1),
     ("window", 0), ("window", 2.5), ("decay", 0.0), ("decay", 1.2), ("decay", float("nan")),
     ("seed", "x"), ("seed", True), ("prune_after", 0), ("prune_ratio", 1.0), ("prune_ratio", -0.5),
+    ("explore", "greedy"),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises(ConfigError, match=field):

@@ -153,6 +153,11 @@ def _check_float(name: str, value, low: float, high: float, open_low: bool = Fal
         raise ConfigError(f"TunerConfig field {name!r} must be in {interval}, got {value}")
 
 
+def _check_measure(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
     """The value splitting the total weight in half (weights >= 0, not all 0); midway between the two middle
     values on an exact split, so equal weights give the ordinary median."""
@@ -242,11 +247,9 @@ class Tuner:
         and the step's duration when given (what explore="cost" weighs exploration draws by)."""
         if arm not in self._buckets[0].choices:
             raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
-        for name, value in (("reward", reward), ("seconds", seconds)):
-            if value is None and name == "seconds":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        _check_measure("reward", reward)
+        if seconds is not None:
+            _check_measure("seconds", seconds)
         i = self.bucket_of(batch_size)
         bucket = self._buckets[i]
         bucket.windows[arm].append((bucket.clock, float(reward)))

@@ -325,7 +325,7 @@ class RolloutEngine:
         rows = torch.arange(len(groups), device=device)
         hidden = out.hidden_states[rows, lengths - 1]  # [G, H]
         # Layer states at the last prompt position, only on request (the drafter reads `out` itself).
-        wanted = output_layers and any(s.params.return_hidden_states for g in groups for s in g.seqs)
+        wanted = bool(output_layers) and any(s.params.return_hidden_states for g in groups for s in g.seqs)
         layers = torch.stack([out.layer_states[i][rows, lengths - 1] for i in output_layers], 1) if wanted else None
         counts = torch.tensor([len(g.seqs) for g in groups], device=device)
         cache.fork(counts)
