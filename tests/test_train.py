@@ -115,25 +115,20 @@ def test_run_directory_holds_metrics_checkpoints_and_eval(model_dir, tmp_path):
         train(c, tmp_path / "run", log=lambda *_: None)
 
 
-def test_bad_config_names_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="promts_per_step"):
-        from_dict(TrainConfig, {"promts_per_step": "4"})
-    with pytest.raises(ConfigError, match="'group_size'"):
-        from_dict(TrainConfig, {"group_size": "1"})
-    with pytest.raises(ConfigError, match="'aggregation'"):
-        from_dict(TrainConfig, {"aggregation": "mean"})
-    with pytest.raises(ConfigError, match="'lr'"):
-        from_dict(TrainConfig, {"lr": "fast"})
-    with pytest.raises(ConfigError, match="strategy"):
-        TrainConfig(speculative="on")
-    with pytest.raises(ConfigError, match="field 'device' must be auto, cpu, cuda or cuda:N, got 'gpu'"):
-        from_dict(TrainConfig, {"device": "gpu"})
-    with pytest.raises(ConfigError, match="field 'tuner_explore' must be one of"):
-        from_dict(TrainConfig, {"tuner_explore": "greedy"})
-    with pytest.raises(ConfigError, match="field 'tuner_arms' must include 'off'"):
-        from_dict(TrainConfig, {"tuner_arms": "chain-d4,ngram-d4"})
-    with pytest.raises(ConfigError, match="field 'tuner_arms'.*bushy"):
-        from_dict(TrainConfig, {"tuner_arms": "off,bushy-d3"})
+@pytest.mark.parametrize("fields, message", [
+    ({"promts_per_step": "4"}, "promts_per_step"),
+    ({"group_size": "1"}, "'group_size'"),
+    ({"aggregation": "mean"}, "'aggregation'"),
+    ({"lr": "fast"}, "'lr'"),
+    ({"speculative": "on"}, "strategy"),
+    ({"device": "gpu"}, "field 'device' must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    ({"tuner_explore": "greedy"}, "field 'tuner_explore' must be one of"),
+    ({"tuner_arms": "chain-d4,ngram-d4"}, "field 'tuner_arms' must include 'off'"),
+    ({"tuner_arms": "off,bushy-d3"}, "field 'tuner_arms'.*bushy"),
+])
+def test_bad_config_names_the_key(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(TrainConfig, fields)
 
 
 def test_rollout_layout_puts_one_worker_on_each_gpu_by_default():

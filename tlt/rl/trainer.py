@@ -145,8 +145,8 @@ class GRPOTrainer:
         # threads are set here, and reserving none lets several pools (a benchmark's runs) coexist.
         pool = RayPool(specs, c.ray_address, cpus_per_worker=1 if c.ray_address else 0,
                        gpus_per_worker=worker_gpus, log=log)
-        log(f"rollout on {workers} Ray workers ({threads} thread(s)" + (f", {worker_gpus:g} GPU" if worker_gpus else "")
-            + " each)"
+        each = f"{threads} thread(s)" + (f", {worker_gpus:g} GPU" if worker_gpus else "")
+        log(f"rollout on {workers} Ray workers ({each} each)"
             + (f", drafter trained on released workers ({c.drafter_train})" if learning is not None else ""))
         return PooledRollout(pool, learning, log, swap_every=c.drafter_hot_swap_every)
 

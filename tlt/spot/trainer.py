@@ -108,17 +108,20 @@ class Schedule:
     def __init__(self, config: SpotConfig) -> None:
         self.config = config
         self.best: float | None = None  # the best level seen
-        self.last: float | None = None  # the current level
         self.recent: list[float] = []  # the last LEVEL_OF measurements
         self.improving = True
+
+    @property
+    def last(self) -> float | None:
+        """The current level: the median of the recent measurements (None before any)."""
+        return statistics.median(self.recent) if self.recent else None
 
     def observe(self, acceptance: float | None) -> None:
         """The acceptance length of the rollout that just ended (None: no drafter step ran)."""
         if acceptance is not None and math.isfinite(acceptance):
             self.recent = (self.recent + [float(acceptance)])[-LEVEL_OF:]
-            level = statistics.median(self.recent)
+            level = self.last
             self.improving = self.best is None or level > self.best * (1 + IMPROVEMENT)
-            self.last = level
             self.best = level if self.best is None else max(self.best * BEST_FADE, level)
 
     def due(self, step: int, buffered_pairs: int) -> bool:
@@ -132,11 +135,13 @@ class Schedule:
         return self.last is None or self.improving or self.last < c.fraction * self.best
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "last": self.last, "recent": list(self.recent), "improving": self.improving}
+        return {"best": self.best, "recent": list(self.recent), "improving": self.improving}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.last, self.improving = state.get("best"), state.get("last"), state.get("improving", True)
-        self.recent = [float(a) for a in state.get("recent", [] if self.last is None else [self.last])]
+        """Also a state saved before levels were medians: its single "last" measurement starts `recent`."""
+        self.best, self.improving = state.get("best"), state.get("improving", True)
+        old = [] if state.get("last") is None else [state["last"]]
+        self.recent = [float(a) for a in state.get("recent", old)]
 
 
 @dataclass
