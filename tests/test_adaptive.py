@@ -102,3 +102,53 @@ def test_memory_guard_and_missing_drafter_restrict_the_arms():
         assert strategy == "off" or strategy.startswith("ngram")  # no drafter loaded
         if strategy != "off":
             assert size * 5 <= 32  # ngram-d4 sends 5 tokens per row through verification
+
+
+def test_draft_state_take_keeps_each_rows_newest_pairs():
+    from tlt.speculative.decoder import DraftState
+
+    features = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+    tokens = torch.arange(16).view(2, 8)
+    def state():
+        return DraftState(None, features.clone(), tokens.clone(), torch.tensor([3, 7]), torch.tensor([10, 20]))
+
+    feats, toks, positions, valid, count = state().take(4)
+    assert count.tolist() == [3, 4]
+    assert valid.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert toks[0, :3].tolist() == [0, 1, 2] and toks[1].tolist() == [11, 12, 13, 14]  # row 1: its last 4 of 7
+    assert positions[0, :3].tolist() == [10, 11, 12] and positions[1].tolist() == [23, 24, 25, 26]
+    assert torch.equal(feats[1], features[1, 3:7]) and torch.equal(feats[0, :3], features[0, :3])
+    everything = state().take(None)
+    for a, b in zip(state().take(7), everything):  # a window no row exceeds takes everything
+        assert torch.equal(a, b)
+    assert everything[4].tolist() == [3, 7] and everything[2][1].tolist() == list(range(20, 27))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_catch_up_window_of_one_stays_lossless(temperature, monkeypatch):
+    """Drafting after runs of plain steps with the drafter fed only each row's newest pair: the
+    output is still plain decoding's, token for token (greedy, and sampled with target-only
+    verification, whose draws are plain sampling's)."""
+    from tlt.speculative.decoder import DraftState
+
+    windowed = []
+    take = DraftState.take
+    monkeypatch.setattr(DraftState, "take", lambda self, window=None: (
+        windowed.append(window is not None and int(self.count.max()) > window), take(self, window))[1])
+    target = random_target(seed=15)
+    drafter = drafters_for(target)["random"]
+    prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
+    params = tlt.SamplingParams(n=3, temperature=temperature, max_tokens=60, seed=9, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    arms = ("off", "tree-d4-k3-v10", "ngram-d3") + (("chain-d3",) if temperature == 0 else ())
+    engine = tlt.RolloutEngine(target, config=tlt.EngineConfig(
+        speculative="adaptive", drafter=drafter, catch_up_window=1, max_draft_tokens=10**7,
+        tuner=TunerConfig(arms=arms, epsilon=0.5, seed=2)))
+    assert tokens_of(engine.generate(prompts, params)) == tokens_of(plain)
+    assert any(windowed)  # some drafting step really left pairs out
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_catch_up_window_is_validated(window):
+    with pytest.raises(tlt.ConfigError, match="catch_up_window"):
+        tlt.EngineConfig(catch_up_window=window)

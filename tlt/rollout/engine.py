@@ -42,7 +42,9 @@ class EngineConfig:
     speculative: "off", "on" (every step uses `strategy`, a Strategy or its name such as
     "tree-d6-k4-v24") or "adaptive" (a tuner picks each step's strategy by live batch size; tuner: a
     TunerConfig, max_draft_tokens: the memory guard on draft tokens x live rows); drafter: a Drafter,
-    a drafter folder or "default" (needed by chain and tree strategies)."""
+    a drafter folder or "default" (needed by chain and tree strategies). catch_up_window: a drafting
+    step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
+    the newest (None: all); see SpeculativeDecoder."""
 
     max_batch_size: int = 256
     kv_budget_tokens: int | None = None
@@ -54,6 +56,7 @@ class EngineConfig:
     drafter: object | None = None
     tuner: object | None = None
     max_draft_tokens: int = 8192
+    catch_up_window: int | None = 16
 
     def __post_init__(self) -> None:
         if self.speculative not in ("off", "on", "adaptive"):
@@ -64,6 +67,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig field 'kv_budget_tokens' must be >= 1, got {self.kv_budget_tokens}")
         if self.cache_block < 1:
             raise ConfigError(f"EngineConfig field 'cache_block' must be >= 1, got {self.cache_block}")
+        window = self.catch_up_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ConfigError(f"EngineConfig field 'catch_up_window' must be an int >= 1 or None, "
+                              f"got {self.catch_up_window!r}")
 
 
 @dataclass
@@ -186,12 +193,13 @@ class RolloutEngine:
         drafter = self.config.drafter
         if drafter is not None and not isinstance(drafter, Drafter):
             drafter = Drafter.load(drafter, self.model)
+        window = self.config.catch_up_window
         if self.config.speculative == "on":
-            return SpeculativeDecoder(self.model, drafter, strategy)
+            return SpeculativeDecoder(self.model, drafter, strategy, catch_up_window=window)
         from tlt.adaptive import AdaptiveDecoder, Tuner, TunerConfig
 
         tuner = Tuner(self.config.tuner or TunerConfig(), log=self._log)
-        return AdaptiveDecoder(SpeculativeDecoder(self.model, drafter, Strategy(kind="off")), tuner,
+        return AdaptiveDecoder(SpeculativeDecoder(self.model, drafter, Strategy(kind="off"), catch_up_window=window), tuner,
                                self.config.max_draft_tokens)
 
     def _log(self, message: str) -> None:
