@@ -152,3 +152,18 @@ def test_a_catch_up_window_of_one_stays_lossless(temperature, monkeypatch):
 def test_catch_up_window_is_validated(window):
     with pytest.raises(tlt.ConfigError, match="catch_up_window"):
         tlt.EngineConfig(catch_up_window=window)
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+def test_default_arms_draw_plain_decodings_very_samples(warp):
+    """Every default arm verifies target-only, so the adaptive engine returns what plain decoding
+    returns with the same seeds, token for token, whatever arms it switches between."""
+    assert all(not tlt.Strategy.parse(a).name.startswith("chain") for a in TunerConfig().arms)
+    target = random_target(seed=16)
+    prompts = [[4, 5, 6], [7, 8, 9, 10, 11], [3]]
+    params = tlt.SamplingParams(n=4, max_tokens=40, seed=21, ignore_eos=True, **warp)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    for kind in ("random", "adversarial"):
+        engine = adaptive_engine(target, drafters_for(target)[kind], epsilon=0.5, seed=4)
+        assert tokens_of(engine.generate(prompts, params)) == tokens_of(plain)
+        assert len(set(engine.stats()["strategies"])) >= 4  # really switched arms

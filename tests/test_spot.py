@@ -18,6 +18,7 @@ from tlt.errors import CheckpointError, ConfigError, TrainingError
 from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
 from tlt.speculative.data import DraftRecord, collect
 from tlt.speculative.drafter import Drafter
+from tlt.speculative.strategy import Strategy
 from tlt.spot.buffer import Entry, OnlineBuffer, favour_long, keep_recent, sampled_batches
 from tlt.spot.coordinator import Coordinator, WorkerState
 from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer, latest_drafter_checkpoint,
@@ -366,12 +367,12 @@ def test_drafter_swapped_mid_rollout_changes_no_output(target):
     other = Drafter.from_target(target, seed=9).trainable_state()
     swaps = []
 
-    drafter_arms = ("chain-d4", "tree-d4-k4-v16", "tree-d6-k4-v24")
+    drafter_arms = [a for a in engine.tuner.config.arms if Strategy.parse(a).uses_drafter]
 
     def swap(e):
         if e._stats.steps == 8:
             bucket = e.tuner._buckets[e.tuner.bucket_of(len(e.batch))]
-            bucket.pruned["chain-d4"] = {"step": 0}  # as if the old drafter had lost there
+            bucket.pruned[drafter_arms[0]] = {"step": 0}  # as if the old drafter had lost there
             e.load_drafter(other, 1)
             swaps.append(sum(a in b.pruned for b in e.tuner._buckets for a in drafter_arms))
 

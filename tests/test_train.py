@@ -227,13 +227,14 @@ def test_dataset_eval_holds_rows_out_of_training(model_dir, tmp_path):
 def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp_path):
     """workers=1: a due phase trains the engine's drafter in place after the rollout (counted as drafter
     time); `compare` runs off / tlt / frozen side by side and reports the alignment figures."""
-    from tlt.bench.e2e import alignment, cold_start, compare
+    from tlt.bench.e2e import alignment, cold_start, compare, matching_steps
 
     c = config(model_dir, drafter="random", speculative="adaptive", drafter_train="every", drafter_min_pairs=1,
                drafter_batch_tokens=128, drafter_window=32, drafter_local_steps=3, steps=2, eval_every=2,
                max_response_tokens=24)
     result = compare(c, "adaptive", tmp_path / "bench", log=lambda *_: None)
     assert result["runs"] == ["off", "tlt", "frozen"]
+    assert result["matching_steps"] == 2  # default arms: the tlt run drew the off run's very samples
     rows = [json.loads(x) for x in (tmp_path / "bench" / "tlt" / "metrics.jsonl").read_text().splitlines() if '"time_step_s"' in x]
     assert [r["drafter_phase_steps"] for r in rows] == [3, 3] and rows[-1]["drafter_version"] == 2
     assert all(r["time_drafter_s"] > 0 for r in rows)
@@ -261,6 +262,31 @@ def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp
                                                     {"ngram-d4": 1.7}, {"chain-d4": 2.5, "ngram-d4": 1.6})]
     assert cold_start(strat)["overtake_step"] == 2
     assert cold_start(strat[:1])["overtake_step"] is None
+    same = {"response_lengths": [3, 5], "reward": 0.5}
+    assert matching_steps([same, same, same], [same, {**same, "response_lengths": [3, 6]}, same]) == 1
+    assert matching_steps([same], [{**same, "reward": 0.25}]) == 0 and matching_steps([same] * 2, [same] * 2) == 2
+    top1 = [{"acceptance_by_strategy": {"tree-d4-k1-v4": a, "chain-d4": 9.0, "ngram-d4": 1.5}} for a in (1.0, 2.0)]
+    assert cold_start(top1)["learned_arm"] == "tree-d4-k1-v4" and cold_start(top1)["overtake_step"] == 2
+
+
+def test_adaptive_speculation_reproduces_the_plain_run(model_dir):
+    """With the default arms (target-only verification) a tlt run samples exactly what the plain run
+    samples, so with recomputed old log-probs it is the same run: same rewards and lengths at every
+    step, and bit-identical weights after it."""
+    runs = {}
+    for speculative in ("off", "adaptive"):
+        trainer = GRPOTrainer(config(model_dir, speculative=speculative, drafter="random", drafter_train="off",
+                                     old_logprobs="recompute", temperature=1.0, max_response_tokens=24,
+                                     tuner_epsilon=0.5))
+        rows = [trainer.train_step() for _ in range(3)]
+        runs[speculative] = (rows, {k: v.clone() for k, v in trainer.policy.state_dict().items()},
+                             set(trainer.engine.stats()["strategies"]))
+        trainer.close()
+    (off_rows, off_weights, _), (tlt_rows, tlt_weights, arms) = runs["off"], runs["adaptive"]
+    assert len(arms - {"off"}) >= 2  # the tlt run really speculated, with several arms
+    for a, b in zip(off_rows, tlt_rows):
+        assert a["response_lengths"] == b["response_lengths"] and a["reward"] == b["reward"]
+    assert all(torch.equal(off_weights[k], tlt_weights[k]) for k in off_weights)
 
 
 def test_buffer_policies_plug_in_by_import_path(model_dir):

@@ -6,7 +6,9 @@ alternate step by step, so machine noise hits them alike. Each step's time is sp
 time / tlt time (> 1: tlt is faster): `ratios.speedup` over the whole run and the median of per-step
 ratios, and the same for rollout alone. Because speculation is lossless, the runs should learn alike;
 reward and eval-accuracy curves go into the JSON (and a PNG), and `accuracy_gain` is the tlt run's
-eval accuracy at the end minus at the start, in points.
+eval accuracy at the end minus at the start, in points. With the default arms (target-only
+verification) the tlt run draws the off run's very samples; `matching_steps` counts the steps,
+from the first, in which both runs had the same response lengths and rewards.
 
 With drafter training on (the default when the tlt run has a learned drafter), a third run "frozen"
 is the tlt run with the drafter kept as it started (drafter_train=off). It gives the two figures of
@@ -17,8 +19,9 @@ the adaptive drafter:
     drafter): per drafter arm, tokens / row-steps of each run; the headline is the mean of the per-arm
     ratios weighted by the tlt run's row-steps (`acceptance_by_arm` has each);
   - `ratios.drafter_overhead`: tlt step time over frozen step time (1.0: training fit in idle time).
-`cold_start` compares, step by step, the acceptance of the learned drafter's chain-d4 arm with the
-n-gram drafter's ngram-d4 arm (same depth) in the tlt run, and names the step from which the learned
+`cold_start` compares, step by step, the acceptance of the learned drafter's depth-4 chain arm
+(tree-d4-k1-v4 among the default arms, else chain-d4) with the n-gram drafter's ngram-d4 arm (same
+depth) in the tlt run, and names the step from which the learned
 drafter stays ahead: the point where a drafter started from random weights overtakes the model-free
 one.
 """
@@ -151,6 +154,7 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
                           "drafter_stop_latency_s": [r.get("drafter_stop_latency_s") for r in rows[name]]}
                    for name in rows},
         "cold_start": cold_start(rows["tlt"]),
+        "matching_steps": matching_steps(rows["off"], rows["tlt"]) if "off" in rows else None,
         "wall_s": time.perf_counter() - start,
     }
     if "off" in rows:
@@ -158,6 +162,8 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
         log(f"speed-up (off time / tlt time): whole run {ratios['speedup']:.2f}, median step "
             f"{ratios['speedup_median_step']:.2f}, rollout {ratios['rollout_speedup']:.2f}; "
             f"rollout share of step time (off) {ratios['rollout_share_off']:.0%}")
+        log(f"steps with the same response lengths and rewards in both runs, from the first: "
+            f"{result['matching_steps']} of {steps}")
     if "frozen" in rows:
         aligned = ratios["acceptance_adaptive_vs_frozen"]
         arms = ", ".join(f"{a} {v['ratio']:.2f}x" for a, v in ratios["acceptance_by_arm"].items())
@@ -165,8 +171,8 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
             f"(last 5 steps, arm by arm: {arms or 'no arm ran in both'}), step time {ratios['drafter_overhead']:.3f}x "
             f"(median step {ratios['drafter_overhead_median_step']:.3f}x)")
     if result["cold_start"]["overtake_step"] is not None:
-        log(f"learned drafter (chain-d4) ahead of the n-gram drafter (ngram-d4) from step "
-            f"{result['cold_start']['overtake_step']}")
+        log(f"learned drafter ({result['cold_start']['learned_arm']}) ahead of the n-gram drafter "
+            f"({result['cold_start']['ngram_arm']}) from step {result['cold_start']['overtake_step']}")
     for name in rows:
         parts = "  ".join(f"{s} {result['breakdown_s'][name][s]:.1f}s" for s in stages)
         log(f"  {name:>6}: {parts}")
@@ -214,10 +220,28 @@ def alignment(tlt_rows: list[dict], frozen_rows: list[dict], last: int = 5) -> d
     }
 
 
-def cold_start(rows: list[dict], learned: str = "chain-d4", ngram: str = "ngram-d4") -> dict:
-    """Per step, the acceptance of the learned drafter's `learned` arm and the n-gram `ngram` arm (same
-    depth); `overtake_step` is the first step from which the learned arm is ahead in every later step
-    where both ran (None: it never is)."""
+def matching_steps(a: list[dict], b: list[dict]) -> int:
+    """How many steps, from the first, two runs' rows agree in every response length and the mean
+    reward: with target-only verification (the default arms) a tlt run draws the plain run's very
+    samples, so the runs agree until a rounding difference flips a draw (or for ever)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x["response_lengths"] != y["response_lengths"] or x["reward"] != y["reward"]:
+            break
+        n += 1
+    return n
+
+
+LEARNED_CHAINS = ("tree-d4-k1-v4", "chain-d4")  # the learned drafter's depth-4 chain arms, by preference
+
+
+def cold_start(rows: list[dict], learned: str | None = None, ngram: str = "ngram-d4") -> dict:
+    """Per step, the acceptance of the learned drafter's `learned` arm (None: the first of
+    LEARNED_CHAINS that ran) and the n-gram `ngram` arm (same depth); `overtake_step` is the first step
+    from which the learned arm is ahead in every later step where both ran (None: it never is)."""
+    if learned is None:
+        ran = {arm for r in rows for arm in r["acceptance_by_strategy"]}
+        learned = next((arm for arm in LEARNED_CHAINS if arm in ran), LEARNED_CHAINS[0])
     pairs = [(i + 1, r["acceptance_by_strategy"].get(learned), r["acceptance_by_strategy"].get(ngram))
              for i, r in enumerate(rows)]
     both = [(s, a, b) for s, a, b in pairs if a is not None and b is not None]
