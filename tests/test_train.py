@@ -125,6 +125,7 @@ def test_run_directory_holds_metrics_checkpoints_and_eval(model_dir, tmp_path):
     ({"tuner_explore": "greedy"}, "field 'tuner_explore' must be one of"),
     ({"tuner_arms": "chain-d4,ngram-d4"}, "field 'tuner_arms' must include 'off'"),
     ({"tuner_arms": "off,bushy-d3"}, "field 'tuner_arms'.*bushy"),
+    ({"catch_up_window": "-1"}, "field 'catch_up_window' must be an integer >= 0"),
 ])
 def test_bad_config_names_the_key(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -201,10 +202,12 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
 def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_dir):
     lines = []
     c = from_dict(TrainConfig, {**vars(config(model_dir, drafter="auto", speculative="adaptive")),
-                                "tuner_arms": "off,ngram-d4", "tuner_epsilon": "0.3", "tuner_explore": "uniform"})
+                                "tuner_arms": "off,ngram-d4", "tuner_epsilon": "0.3", "tuner_explore": "uniform",
+                                "catch_up_window": "0"})
     trainer = GRPOTrainer(c, log=lines.append)
     assert trainer.engine.decoder.spec.drafter is None
     assert trainer.engine.tuner.config == TunerConfig(arms=("off", "ngram-d4"), epsilon=0.3, explore="uniform")
+    assert trainer.engine.decoder.spec.catch_up_window is None  # 0: the drafter reads every pending pair
     assert any("n-gram drafts only" in line for line in lines)
     row = trainer.train_step()
     assert set(row["strategies"]) <= {"off", "ngram-d4"}
@@ -282,6 +285,8 @@ def test_adaptive_speculation_reproduces_the_plain_run(model_dir):
         runs[speculative] = (rows, {k: v.clone() for k, v in trainer.policy.state_dict().items()},
                              set(trainer.engine.stats()["strategies"]))
         trainer.close()
+        if speculative == "adaptive":
+            assert trainer.engine.decoder.spec.catch_up_window == 16  # the default reaches the engine
     (off_rows, off_weights, _), (tlt_rows, tlt_weights, arms) = runs["off"], runs["adaptive"]
     assert len(arms - {"off"}) >= 2  # the tlt run really speculated, with several arms
     for a, b in zip(off_rows, tlt_rows):

@@ -46,6 +46,9 @@ class TrainConfig:
     tuner_arms: tuple[str, ...] = DEFAULT_ARMS
     tuner_epsilon: float = 0.1
     tuner_explore: str = "cost"
+    # Pairs per row a drafting step after plain ones feeds the drafter, the newest (0: all); see
+    # tlt/speculative/decoder.py.
+    catch_up_window: int = 16
     # --- rollout workers and the adaptive drafter
     workers: int = 0  # rollout workers: 0 = one per core (a local Ray cluster; one per GPU, each holding one,
     # when the trainer runs on CUDA: a single GPU gives the in-process engine), 1 = in-process
@@ -125,7 +128,7 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "threads", "workers",
                      "worker_threads", "drafter_train_every", "drafter_min_pairs", "drafter_max_steps",
                      "drafter_warmup_steps", "drafter_hot_swap_every",
-                     "drafter_local_steps"):
+                     "drafter_local_steps", "catch_up_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"field {name!r} must be an integer >= 0, got {value!r}")

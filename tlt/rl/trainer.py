@@ -106,7 +106,8 @@ class GRPOTrainer:
         gpus = torch.cuda.device_count() if self.device.type == "cuda" and c.ray_address is None else 0
         workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
         engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
-                             strategy=c.strategy, tuner=c.tuner() if c.speculative == "adaptive" else None)
+                             strategy=c.strategy, tuner=c.tuner() if c.speculative == "adaptive" else None,
+                             catch_up_window=c.catch_up_window or None)
         learning = None
         if drafter is not None and c.drafter_train != "off":
             from tlt.speculative.drafter import Drafter, DrafterConfig
