@@ -21,9 +21,8 @@ the adaptive drafter:
   - `ratios.drafter_overhead`: tlt step time over frozen step time (1.0: training fit in idle time).
 `cold_start` compares, step by step, the acceptance of the learned drafter's depth-4 chain arm
 (tree-d4-k1-v4 among the default arms, else chain-d4) with the n-gram drafter's ngram-d4 arm (same
-depth) in the tlt run, and names the step from which the learned
-drafter stays ahead: the point where a drafter started from random weights overtakes the model-free
-one.
+depth) in the tlt run, and names the step from which the learned drafter stays ahead: the point where
+a drafter started from random weights overtakes the model-free one.
 """
 
 from __future__ import annotations
