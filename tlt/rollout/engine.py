@@ -193,14 +193,13 @@ class RolloutEngine:
         drafter = self.config.drafter
         if drafter is not None and not isinstance(drafter, Drafter):
             drafter = Drafter.load(drafter, self.model)
-        window = self.config.catch_up_window
         if self.config.speculative == "on":
-            return SpeculativeDecoder(self.model, drafter, strategy, catch_up_window=window)
+            return SpeculativeDecoder(self.model, drafter, strategy, self.config.catch_up_window)
         from tlt.adaptive import AdaptiveDecoder, Tuner, TunerConfig
 
         tuner = Tuner(self.config.tuner or TunerConfig(), log=self._log)
-        return AdaptiveDecoder(SpeculativeDecoder(self.model, drafter, Strategy(kind="off"), catch_up_window=window), tuner,
-                               self.config.max_draft_tokens)
+        spec = SpeculativeDecoder(self.model, drafter, Strategy(kind="off"), self.config.catch_up_window)
+        return AdaptiveDecoder(spec, tuner, self.config.max_draft_tokens)
 
     def _log(self, message: str) -> None:
         self.log_lines.append(message)
