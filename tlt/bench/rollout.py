@@ -12,6 +12,13 @@ every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose 
 from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first).
 `adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
 shows which strategy the adaptive engine ran at each live batch size.
+
+Where the time goes: each tlt system's decode-step seconds are split by live batch size into the
+tuner's buckets (`bucket_seconds`, medians over the repeats). `ratios.bucket_bound_vs_off` is plain
+decoding's step seconds over the sum, bucket by bucket, of the fastest fixed system's: what an oracle
+that runs the best of the measured fixed strategies in every bucket would gain, the ceiling of an
+adaptive engine over those arms. It is exact when the systems draw the same samples (target-only
+arms: `same_samples`), since then every system runs the same rows at the same token positions.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def run_tlt(model, prompts, args, repeat: int, config=None, tuner_state=None) ->
     wall = time.perf_counter() - start
     lengths = [len(c.token_ids) for o in outputs for c in o.outputs]
     stats = engine.stats()
-    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
+    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths, "step_s": stats["step_times_s"],
             "times": _cumulative(stats["step_times_s"]), "batch_sizes": stats["batch_sizes"],
             "strategies": stats["strategies"], "acceptance_length": stats["acceptance_length"],
             "tuner_state": engine.tuner.state_dict() if engine.tuner is not None else None,
@@ -103,6 +110,23 @@ def _cumulative(xs):
         total += x
         out.append(total)
     return out
+
+
+def bucket_seconds(step_s: list[float], batch_sizes: list[int], tuner) -> dict[str, float]:
+    """Seconds of the steps at each live batch size, summed per bucket of `tuner` (label -> seconds,
+    every bucket listed)."""
+    out = [0.0] * (len(tuner.config.buckets) + 1)
+    for seconds, size in zip(step_s, batch_sizes):
+        out[tuner.bucket_of(size)] += seconds
+    return {tuner.label(i): x for i, x in enumerate(out)}
+
+
+def bucket_bound(rows: dict[str, dict], fixed: list[str]) -> tuple[float, dict[str, str]]:
+    """(tlt_off's step seconds / the per-bucket best fixed system's, the best system of each bucket)."""
+    labels = list(rows["tlt_off"]["bucket_seconds"])
+    best = {label: min(fixed, key=lambda name: rows[name]["bucket_seconds"][label]) for label in labels}
+    oracle = sum(rows[best[label]]["bucket_seconds"][label] for label in labels)
+    return sum(rows["tlt_off"]["bucket_seconds"].values()) / oracle, best
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -168,6 +192,13 @@ def run(args: argparse.Namespace) -> int:
                 results[name].append(fn(r))
                 print(f"  run {r + 1}: {name:8s} {results[name][-1]['wall_s']:7.2f}s", file=sys.stderr)
     rows = {name: summarize(runs) for name, runs in results.items()}
+    from tlt.adaptive.tuner import Tuner, TunerConfig
+
+    tuner = Tuner(TunerConfig())
+    for name, runs in results.items():
+        if name.startswith("tlt_"):
+            split = [bucket_seconds(r["step_s"], r["batch_sizes"], tuner) for r in runs]
+            rows[name]["bucket_seconds"] = {label: statistics.median(x[label] for x in split) for label in split[0]}
     ratios = {}
     if "hf" in rows:
         ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
@@ -183,11 +214,20 @@ def run(args: argparse.Namespace) -> int:
     for name in fixed:
         if name != "tlt_off":
             ratios[f"{name.removeprefix('tlt_')}_vs_off"] = rows["tlt_off"]["wall_s"] / fixed[name]["wall_s"]
+    ratios["bucket_bound_vs_off"], ratios["best_by_bucket"] = bucket_bound(rows, list(fixed))
+    tlt_runs = [runs for name, runs in results.items() if name.startswith("tlt_")]
+    ratios["same_samples"] = all(a["lengths"] == b["lengths"] for runs in zip(*tlt_runs) for a in runs for b in runs)
     width = max(map(len, rows))
     print(f"{'system':{width}s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s} {'accept':>7s}")
     for name, row in rows.items():
         accept = f"{row['acceptance_length']:7.2f}" if "acceptance_length" in row else f"{'-':>7s}"
         print(f"{name:{width}s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f} {accept}")
+    labels = list(rows["tlt_off"]["bucket_seconds"])
+    print("step seconds by live batch size")
+    print(f"{'system':{width}s} " + " ".join(f"{x:>6s}" for x in labels))
+    for name, row in rows.items():
+        if "bucket_seconds" in row:
+            print(f"{name:{width}s} " + " ".join(f"{row['bucket_seconds'][x]:6.2f}" for x in labels))
     for k, v in ratios.items():
         print(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}")
     lengths = sorted(results["tlt_off"][0]["lengths"])
