@@ -16,10 +16,12 @@ shows which strategy the adaptive engine ran at each live batch size.
 Where the time goes: each tlt system's decode-step seconds are split by live batch size into the
 tuner's buckets (`bucket_seconds`, medians over the repeats). `ratios.bucket_bound_vs_off` is plain
 decoding's step seconds over the sum, bucket by bucket, of the fastest fixed system's, within each
-repeat (median over repeats): what an oracle that runs the best of the measured fixed strategies in
-every bucket would gain, the ceiling of an adaptive engine over those arms. It is exact when the
-systems draw the same samples (target-only arms: `same_samples`), since then every system of a repeat
-runs the same rows at the same token positions.
+repeat (median over repeats): an estimate of what an oracle that runs the best of the measured fixed
+strategies in every bucket would gain, the ceiling of an adaptive engine over those arms. It needs
+the systems to draw the same samples (target-only arms: `same_samples`), and even then it is an
+estimate: under speculation rows advance at different rates (a looping row accepts long n-gram
+drafts, a fresh one little), so the live batch drops from one bucket to the next at somewhat
+different token positions in each system.
 """
 
 from __future__ import annotations
