@@ -7,22 +7,26 @@ import pytest
 import torch
 
 from tlt.adaptive.tuner import Tuner, TunerConfig
-from tlt.bench.rollout import bucket_bound, bucket_seconds
+from tlt.bench.rollout import bucket_bound, bucket_split
 
 
-def test_bucket_seconds_sums_steps_into_the_tuners_buckets():
+def test_bucket_split_sums_steps_into_the_tuners_buckets():
     tuner = Tuner(TunerConfig(buckets=(1, 4)))
-    split = bucket_seconds([0.5, 0.25, 0.125, 1.0, 2.0], [9, 4, 3, 1, 1], tuner)
-    assert split == {"1": 3.0, "2-4": 0.375, ">4": 0.5}
+    split = bucket_split([0.5, 0.25, 0.125, 1.0, 2.0], [9, 8, 6, 4, 2], [9, 4, 3, 1, 1], tuner)
+    assert split == {"seconds": {"1": 3.0, "2-4": 0.375, ">4": 0.5}, "tokens": {"1": 6, "2-4": 14, ">4": 9}}
+    with pytest.raises(ValueError):  # step lists that do not line up are refused, not truncated
+        bucket_split([0.5], [9, 8], [9, 4], tuner)
 
 
-def test_bucket_bound_takes_the_fastest_fixed_system_in_each_bucket():
-    rows = {"tlt_off": {"bucket_seconds": {"1": 4.0, ">1": 2.0}},
-            "tlt_tree": {"bucket_seconds": {"1": 2.0, ">1": 3.0}},
-            "tlt_ngram": {"bucket_seconds": {"1": 1.0, ">1": 5.0}}}
-    bound, best = bucket_bound(rows, ["tlt_off", "tlt_tree", "tlt_ngram"])
-    assert best == {"1": "tlt_ngram", ">1": "tlt_off"}
-    assert bound == pytest.approx(6.0 / 3.0)
+def test_bucket_bound_runs_plain_decodings_tokens_at_the_best_throughput_of_each_bucket():
+    """Off emits 40 tokens in 4 s at one row and 60 in 2 s above; the tree is twice as fast at one row
+    (but spends its time differently: 10 tokens in 0.5 s), the n-gram fastest at one row."""
+    splits = {"tlt_off": {"seconds": {"1": 4.0, ">1": 2.0}, "tokens": {"1": 40, ">1": 60}},
+              "tlt_tree": {"seconds": {"1": 0.5, ">1": 3.0}, "tokens": {"1": 10, ">1": 60}},
+              "tlt_ngram": {"seconds": {"1": 1.0, ">1": 0.0}, "tokens": {"1": 40, ">1": 0}}}
+    bound, best = bucket_bound(splits, ["tlt_off", "tlt_tree", "tlt_ngram"])
+    assert best == {"1": "tlt_ngram", ">1": "tlt_off"}  # rates at one row: 10, 20, 40 tokens/s
+    assert bound == pytest.approx(6.0 / (40 / 40 + 60 / 30))
 
 
 def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
@@ -50,10 +54,12 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
     record = json.loads(out.read_text())
     labels = [Tuner(TunerConfig()).label(i) for i in range(len(TunerConfig().buckets) + 1)]
     for name in ("tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive"):
-        split = record["rows"][name]["bucket_seconds"]
-        assert list(split) == labels
-        assert 0 < sum(split.values()) <= record["rows"][name]["wall_s"]
+        row = record["rows"][name]
+        assert list(row["bucket_seconds"]) == list(row["bucket_tokens_per_s"]) == labels
+        assert 0 < sum(row["bucket_seconds"].values()) <= row["wall_s"]
+        assert any(rate is not None and rate > 0 for rate in row["bucket_tokens_per_s"].values())
     ratios = record["ratios"]
     assert ratios["bucket_bound_vs_off"] >= 1.0  # tlt_off is one of the fixed systems
-    assert set(ratios["best_by_bucket"].values()) <= {"tlt_off", "tlt_tree-d2-k2-v3"}
+    assert len(ratios["best_by_bucket"]) == 1  # one repeat
+    assert set(ratios["best_by_bucket"][0].values()) <= {"tlt_off", "tlt_tree-d2-k2-v3"}
     assert ratios["same_samples"] is True  # tree verification draws plain sampling's tokens

@@ -13,15 +13,15 @@ from one rollout to the next as it is across RL steps (the untimed warm-up rollo
 `adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
 shows which strategy the adaptive engine ran at each live batch size.
 
-Where the time goes: each tlt system's decode-step seconds are split by live batch size into the
-tuner's buckets (`bucket_seconds`, medians over the repeats). `ratios.bucket_bound_vs_off` is plain
-decoding's step seconds over the sum, bucket by bucket, of the fastest fixed system's, within each
-repeat (median over repeats): an estimate of what an oracle that runs the best of the measured fixed
-strategies in every bucket would gain, the ceiling of an adaptive engine over those arms. It needs
-the systems to draw the same samples (target-only arms: `same_samples`), and even then it is an
-estimate: under speculation rows advance at different rates (a looping row accepts long n-gram
-drafts, a fresh one little), so the live batch drops from one bucket to the next at somewhat
-different token positions in each system.
+Where the time goes: each tlt system's decode steps are split by live batch size into the tuner's
+buckets: `bucket_seconds` and `bucket_tokens_per_s` (tokens emitted per second of those steps), medians
+over the repeats. Seconds are not comparable bucket by bucket across systems (under speculation rows
+advance at different rates: a looping row races ahead on n-gram drafts, so fewer of its tokens remain
+when the batch reaches one row), throughputs are. `ratios.bucket_bound_vs_off` estimates the ceiling of
+an adaptive engine over the measured fixed arms: plain decoding's step seconds over the time an oracle
+would take to emit plain decoding's tokens of every bucket at the best fixed system's throughput in that
+bucket, within each repeat (median over repeats). It needs the systems to draw the same samples
+(target-only arms: `same_samples`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def run_tlt(model, prompts, args, repeat: int, config=None, tuner_state=None) ->
     lengths = [len(c.token_ids) for o in outputs for c in o.outputs]
     stats = engine.stats()
     return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths, "step_s": stats["step_times_s"],
+            "step_tokens": stats["step_tokens"],
             "times": _cumulative(stats["step_times_s"]), "batch_sizes": stats["batch_sizes"],
             "strategies": stats["strategies"], "acceptance_length": stats["acceptance_length"],
             "tuner_state": engine.tuner.state_dict() if engine.tuner is not None else None,
@@ -115,21 +116,33 @@ def _cumulative(xs):
     return out
 
 
-def bucket_seconds(step_s: list[float], batch_sizes: list[int], tuner) -> dict[str, float]:
-    """Seconds of the steps at each live batch size, summed per bucket of `tuner` (label -> seconds,
-    every bucket listed)."""
-    out = [0.0] * (len(tuner.config.buckets) + 1)
-    for seconds, size in zip(step_s, batch_sizes):
-        out[tuner.bucket_of(size)] += seconds
-    return {tuner.label(i): x for i, x in enumerate(out)}
+def bucket_split(step_s: list[float], step_tokens: list[int], batch_sizes: list[int], tuner) -> dict[str, dict]:
+    """Seconds and emitted tokens of the decode steps, summed per bucket of `tuner`'s live batch sizes:
+    {"seconds": {label: s}, "tokens": {label: n}}, every bucket listed."""
+    seconds, tokens = [0.0] * (len(tuner.config.buckets) + 1), [0] * (len(tuner.config.buckets) + 1)
+    for s, n, size in zip(step_s, step_tokens, batch_sizes, strict=True):
+        seconds[tuner.bucket_of(size)] += s
+        tokens[tuner.bucket_of(size)] += n
+    labels = [tuner.label(i) for i in range(len(seconds))]
+    return {"seconds": dict(zip(labels, seconds)), "tokens": dict(zip(labels, tokens))}
 
 
-def bucket_bound(rows: dict[str, dict], fixed: list[str]) -> tuple[float, dict[str, str]]:
-    """(tlt_off's step seconds / the per-bucket best fixed system's, the best system of each bucket)."""
-    labels = list(rows["tlt_off"]["bucket_seconds"])
-    best = {label: min(fixed, key=lambda name: rows[name]["bucket_seconds"][label]) for label in labels}
-    oracle = sum(rows[best[label]]["bucket_seconds"][label] for label in labels)
-    return sum(rows["tlt_off"]["bucket_seconds"].values()) / oracle, best
+def rates(split: dict) -> dict[str, float | None]:
+    """Tokens per second in each bucket (None where the system spent no time)."""
+    return {x: split["tokens"][x] / s if s > 0 else None for x, s in split["seconds"].items()}
+
+
+def bucket_bound(splits: dict[str, dict], fixed: list[str]) -> tuple[float, dict[str, str]]:
+    """(tlt_off's step seconds / the time of its tokens at the best fixed throughput of each bucket,
+    the best system of each bucket). `splits`: system -> `bucket_split` of one repeat."""
+    off = splits["tlt_off"]
+    best, oracle = {}, 0.0
+    for label, tokens in off["tokens"].items():
+        measured = {name: r for name in fixed if (r := rates(splits[name])[label]) is not None}
+        if tokens and measured:
+            best[label] = max(measured, key=measured.get)
+            oracle += tokens / measured[best[label]]
+    return sum(off["seconds"].values()) / oracle, best
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -198,10 +211,14 @@ def run(args: argparse.Namespace) -> int:
     from tlt.adaptive.tuner import Tuner, TunerConfig
 
     tuner = Tuner(TunerConfig())
-    split = {name: [bucket_seconds(r["step_s"], r["batch_sizes"], tuner) for r in runs]
+    split = {name: [bucket_split(r["step_s"], r["step_tokens"], r["batch_sizes"], tuner) for r in runs]
              for name, runs in results.items() if name.startswith("tlt_")}  # per repeat
     for name, per_repeat in split.items():
-        rows[name]["bucket_seconds"] = {x: statistics.median(r[x] for r in per_repeat) for x in per_repeat[0]}
+        labels = list(per_repeat[0]["seconds"])
+        rows[name]["bucket_seconds"] = {x: statistics.median(r["seconds"][x] for r in per_repeat) for x in labels}
+        rows[name]["bucket_tokens_per_s"] = {
+            x: statistics.median(v) if (v := [r[x] for r in map(rates, per_repeat) if r[x] is not None]) else None
+            for x in labels}
     ratios = {}
     if "hf" in rows:
         ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
@@ -217,10 +234,9 @@ def run(args: argparse.Namespace) -> int:
     for name in fixed:
         if name != "tlt_off":
             ratios[f"{name.removeprefix('tlt_')}_vs_off"] = rows["tlt_off"]["wall_s"] / fixed[name]["wall_s"]
-    ratios["bucket_bound_vs_off"] = statistics.median(
-        bucket_bound({name: {"bucket_seconds": split[name][r]} for name in fixed}, list(fixed))[0]
-        for r in range(args.repeats))
-    ratios["best_by_bucket"] = bucket_bound(rows, list(fixed))[1]  # on the medians
+    bounds = [bucket_bound({name: split[name][r] for name in fixed}, list(fixed)) for r in range(args.repeats)]
+    ratios["bucket_bound_vs_off"] = statistics.median(b for b, _ in bounds)
+    ratios["best_by_bucket"] = [best for _, best in bounds]  # per repeat
     tlt_runs = [runs for name, runs in results.items() if name.startswith("tlt_")]
     ratios["same_samples"] = all(a["lengths"] == b["lengths"] for runs in zip(*tlt_runs) for a in runs for b in runs)
     width = max(map(len, rows))
@@ -229,11 +245,13 @@ def run(args: argparse.Namespace) -> int:
         accept = f"{row['acceptance_length']:7.2f}" if "acceptance_length" in row else f"{'-':>7s}"
         print(f"{name:{width}s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f} {accept}")
     labels = list(rows["tlt_off"]["bucket_seconds"])
-    print("step seconds by live batch size")
-    print(f"{'system':{width}s} " + " ".join(f"{x:>6s}" for x in labels))
+    print("step seconds / tokens per second by live batch size (medians)")
+    print(f"{'system':{width}s} " + " ".join(f"{x:>13s}" for x in labels))
     for name, row in rows.items():
         if "bucket_seconds" in row:
-            print(f"{name:{width}s} " + " ".join(f"{row['bucket_seconds'][x]:6.2f}" for x in labels))
+            cells = [f"{row['bucket_seconds'][x]:5.2f}/" + (f"{r:<7.0f}" if (r := row["bucket_tokens_per_s"][x]) else f"{'-':7s}")
+                     for x in labels]
+            print(f"{name:{width}s} " + " ".join(cells))
     for k, v in ratios.items():
         print(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}")
     lengths = sorted(results["tlt_off"][0]["lengths"])
