@@ -126,6 +126,7 @@ def test_run_directory_holds_metrics_checkpoints_and_eval(model_dir, tmp_path):
     ({"tuner_arms": "chain-d4,ngram-d4"}, "field 'tuner_arms' must include 'off'"),
     ({"tuner_arms": "off,bushy-d3"}, "field 'tuner_arms'.*bushy"),
     ({"catch_up_window": "-1"}, "field 'catch_up_window' must be an integer >= 0"),
+    ({"drafter_unroll": "0"}, "'unroll' must be >= 1.*drafter_"),
 ])
 def test_bad_config_names_the_key(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -361,14 +362,16 @@ def test_online_buffer_round_trips_and_names_a_bad_file(tmp_path):
 
 def test_online_training_of_an_eagle3_drafter(model_dir, tmp_path):
     """A drafter fusing target layers (EAGLE-3 style) learns online too: rollout returns those layers'
-    outputs with every token, the buffer keeps them, and a phase trains on them."""
+    outputs with every token, the buffer keeps them, and a phase trains on them (with two
+    training-time-test rounds, as EAGLE-3 trains)."""
     from tlt.model import load_model
     from tlt.speculative import Drafter
 
     Drafter.from_target(load_model(model_dir), feature_layers=(0, 1), seed=1).save(tmp_path / "eagle3")
     c = config(model_dir, drafter=str(tmp_path / "eagle3"), speculative="on", strategy="chain-d3",
                drafter_train="every", drafter_min_pairs=1, drafter_batch_tokens=128, drafter_window=32,
-               drafter_local_steps=2, steps=2)
+               drafter_local_steps=2, drafter_unroll=2, steps=2)
+    assert c.spot().unroll == 2  # the spot trainer's loss runs two training-time-test rounds
     trainer = GRPOTrainer(c, log=lambda *_: None)
     try:
         rows = [trainer.train_step() for _ in range(2)]

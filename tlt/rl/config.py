@@ -63,6 +63,7 @@ class TrainConfig:
     drafter_warmup_steps: int = 20  # over the run's first drafter optimizer steps (protects a trained drafter)
     drafter_batch_tokens: int = 2048
     drafter_window: int = 256
+    drafter_unroll: int = 1  # training-time-test rounds of the drafter loss (3 trained the default drafter)
     drafter_max_steps: int = 0  # optimizer steps per spot phase at most (0: until rollout ends)
     drafter_local_steps: int = 8  # optimizer steps per phase in-process (workers=1: on the critical path)
     drafter_buffer_mb: int = 256
@@ -171,7 +172,8 @@ class TrainConfig:
                               fraction=self.drafter_train_fraction, min_pairs=self.drafter_min_pairs,
                               lr=self.drafter_lr, warmup_steps=self.drafter_warmup_steps,
                               batch_tokens=self.drafter_batch_tokens, rows=4,
-                              window=self.drafter_window, max_steps=self.drafter_max_steps,
+                              window=self.drafter_window, unroll=self.drafter_unroll,
+                              max_steps=self.drafter_max_steps,
                               buffer_mb=self.drafter_buffer_mb, buffer_versions=self.drafter_buffer_steps,
                               seed=self.seed)
         except ConfigError as exc:
