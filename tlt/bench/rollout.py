@@ -136,13 +136,23 @@ def bucket_bound(splits: dict[str, dict], fixed: list[str]) -> tuple[float, dict
     """(tlt_off's step seconds / the time of its tokens at the best fixed throughput of each bucket,
     the best system of each bucket). `splits`: system -> `bucket_split` of one repeat."""
     off = splits["tlt_off"]
+    measured = {name: rates(splits[name]) for name in fixed}
     best, oracle = {}, 0.0
     for label, tokens in off["tokens"].items():
-        measured = {name: r for name in fixed if (r := rates(splits[name])[label]) is not None}
-        if tokens and measured:
-            best[label] = max(measured, key=measured.get)
-            oracle += tokens / measured[best[label]]
+        here = {name: r[label] for name, r in measured.items() if r[label] is not None}
+        if tokens and here:
+            best[label] = max(here, key=here.get)
+            oracle += tokens / here[best[label]]
     return sum(off["seconds"].values()) / oracle, best
+
+
+def bucket_medians(per_repeat: list[dict]) -> dict[str, dict]:
+    """`bucket_seconds` and `bucket_tokens_per_s` of one system: medians over its repeats' splits."""
+    labels = list(per_repeat[0]["seconds"])
+    speeds = [rates(r) for r in per_repeat]
+    return {"bucket_seconds": {x: statistics.median(r["seconds"][x] for r in per_repeat) for x in labels},
+            "bucket_tokens_per_s": {x: statistics.median(v) if (v := [r[x] for r in speeds if r[x] is not None])
+                                    else None for x in labels}}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -214,11 +224,7 @@ def run(args: argparse.Namespace) -> int:
     split = {name: [bucket_split(r["step_s"], r["step_tokens"], r["batch_sizes"], tuner) for r in runs]
              for name, runs in results.items() if name.startswith("tlt_")}  # per repeat
     for name, per_repeat in split.items():
-        labels = list(per_repeat[0]["seconds"])
-        rows[name]["bucket_seconds"] = {x: statistics.median(r["seconds"][x] for r in per_repeat) for x in labels}
-        rows[name]["bucket_tokens_per_s"] = {
-            x: statistics.median(v) if (v := [r[x] for r in map(rates, per_repeat) if r[x] is not None]) else None
-            for x in labels}
+        rows[name].update(bucket_medians(per_repeat))
     ratios = {}
     if "hf" in rows:
         ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
