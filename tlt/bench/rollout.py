@@ -74,11 +74,11 @@ def run_tlt(model, prompts, args, repeat: int, config=None, tuner_state=None) ->
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    lengths = [len(c.token_ids) for o in outputs for c in o.outputs]
+    samples = [c.token_ids for o in outputs for c in o.outputs]
+    lengths = list(map(len, samples))
     stats = engine.stats()
-    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths, "step_s": stats["step_times_s"],
-            "step_tokens": stats["step_tokens"],
-            "times": _cumulative(stats["step_times_s"]), "batch_sizes": stats["batch_sizes"],
+    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths, "samples": samples,
+            "step_s": stats["step_times_s"], "step_tokens": stats["step_tokens"], "batch_sizes": stats["batch_sizes"],
             "strategies": stats["strategies"], "acceptance_length": stats["acceptance_length"],
             "tuner_state": engine.tuner.state_dict() if engine.tuner is not None else None,
             "tuner": stats.get("tuner")}
@@ -105,7 +105,7 @@ def run_hf(hf_model, prompts, args, eos_id: int, pad_id: int, repeat: int) -> di
         lengths.append(row.index(eos_id) + 1 if eos_id in row else len(row))
     steps = new.shape[1]
     return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
-            "times": [wall * (i + 1) / steps for i in range(steps)], "batch_sizes": [new.shape[0]] * steps}
+            "step_s": [wall / steps] * steps, "batch_sizes": [new.shape[0]] * steps}
 
 
 def _cumulative(xs):
@@ -121,8 +121,9 @@ def bucket_split(step_s: list[float], step_tokens: list[int], batch_sizes: list[
     {"seconds": {label: s}, "tokens": {label: n}}, every bucket listed."""
     seconds, tokens = [0.0] * (len(tuner.config.buckets) + 1), [0] * (len(tuner.config.buckets) + 1)
     for s, n, size in zip(step_s, step_tokens, batch_sizes, strict=True):
-        seconds[tuner.bucket_of(size)] += s
-        tokens[tuner.bucket_of(size)] += n
+        i = tuner.bucket_of(size)
+        seconds[i] += s
+        tokens[i] += n
     labels = [tuner.label(i) for i in range(len(seconds))]
     return {"seconds": dict(zip(labels, seconds)), "tokens": dict(zip(labels, tokens))}
 
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     ratios["bucket_bound_vs_off"] = statistics.median(b for b, _ in bounds)
     ratios["best_by_bucket"] = [best for _, best in bounds]  # per repeat
     tlt_runs = [runs for name, runs in results.items() if name.startswith("tlt_")]
-    ratios["same_samples"] = all(a["lengths"] == b["lengths"] for runs in zip(*tlt_runs) for a in runs for b in runs)
+    ratios["same_samples"] = all(r["samples"] == runs[0]["samples"] for runs in zip(*tlt_runs) for r in runs)
     width = max(map(len, rows))
     print(f"{'system':{width}s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s} {'accept':>7s}")
     for name, row in rows.items():
@@ -262,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}")
     lengths = sorted(results["tlt_off"][0]["lengths"])
     print(f"response lengths (tlt run 1): median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
-    last = {name: (runs[-1]["times"], runs[-1]["batch_sizes"]) for name, runs in results.items()}
+    last = {name: (_cumulative(runs[-1]["step_s"]), runs[-1]["batch_sizes"]) for name, runs in results.items()}
     png = live_batch(last, args.plot, f"{args.prompts} prompts x {args.samples} samples, default model")
     print(f"wrote {png}")
     if "tlt_adaptive" in results:
