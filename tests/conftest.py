@@ -58,10 +58,8 @@ def tiny_model():
         model = Transformer(ModelConfig(**fields)).eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.uniform_(0.5, 1.5)
-                else:
-                    p.normal_(0, 0.1)
+                fresh = torch.empty(p.shape, dtype=p.dtype)  # contiguous: the same draws whatever the layout
+                p.copy_(fresh.uniform_(0.5, 1.5) if "norm" in name else fresh.normal_(0, 0.1))
         return model
 
     return make

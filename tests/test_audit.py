@@ -60,15 +60,36 @@ def test_every_exact_system_passes(warp):
 
 
 def test_bfloat16_engines_pass_too():
-    """Weights in bf16, as GPU rollouts run them: verification is exact with respect to the bf16
-    target's own distribution (sampled and greedy)."""
+    """Weights in bf16, as GPU rollouts run them: sampling is exact with respect to the bf16 target's own
+    distribution. Greedy decoding agrees token for token except where the target's two best logits lie
+    within bf16 rounding of each other: a one-token forward and a draft's verification sum in different
+    orders, as two plain batch sizes do, so such a tie may break either way; each response that differs
+    must do so first at such a tie."""
+    from tlt.audit import engine_for
+    from tlt.rollout import SamplingParams
+
     target = random_target(seed=5).to(torch.bfloat16)
     drafter = Drafter.from_target(target, seed=3).eval()
     sampled = audit(target, None, prompts(), ["off", "chain-d3", "tree-d3-k3-v8", "ngram-d3"], drafter, samples=48,
                     max_tokens=24, seed=1)
-    greedy = audit(target, None, prompts(), ["chain-d3", "tree-d3-k3-v8", "ngram-d3"], drafter, samples=1,
-                   temperature=0.0, max_tokens=24)
-    assert sampled["passed"] and greedy["passed"], (sampled, greedy)
+    assert sampled["passed"], sampled
+    params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in prompts()]
+    plain = [o.outputs[0].token_ids for o in engine_for(target, None, "off", None).generate(prompts(), params)]
+    agreeing = 0
+    for system in ["chain-d3", "tree-d3-k3-v8", "ngram-d3"]:
+        outputs = engine_for(target, None, system, drafter).generate(prompts(), params)
+        for prompt, reference, o in zip(prompts(), plain, outputs):
+            response = o.outputs[0].token_ids
+            if response == reference:
+                agreeing += 1
+                continue
+            j = next(i for i, (a, b) in enumerate(zip(response, reference)) if a != b)
+            with torch.inference_mode():
+                logits = target(torch.tensor([prompt + reference[:j]])).logits[0, -1].float()
+            best, second = logits.topk(2).values.tolist()
+            ulp = 2.0 ** (torch.tensor(abs(best)).log2().floor().item() - 7)  # bf16 spacing at the best logit
+            assert best - second <= 2 * ulp, (system, prompt, j, best, second)
+    assert agreeing >= 10  # of 12: ties are rare
 
 
 def test_a_verifier_with_the_classic_bias_fails(monkeypatch):

@@ -33,7 +33,8 @@ def save_drafter(model, folder, **kwargs):
     drafter = tlt.Drafter.from_target(model, seed=1, **kwargs)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.1)
+            fresh = torch.empty(p.shape, dtype=p.dtype)  # contiguous: the same draws whatever the layout
+            p.copy_(fresh.uniform_(0.5, 1.5) if "norm" in name else fresh.normal_(0, 0.1))
     drafter.save(folder)
     return drafter.eval()
 

@@ -232,3 +232,63 @@ def test_tree_mask_over_trailing_cached_tokens(tiny_model):
                         cache=cache).logits
             assert (out - whole[:, level]).abs().max() <= 1e-5
             written = cols
+
+
+def test_cpu_float32_linears_are_column_major_and_keep_values(tiny_model, tmp_path):
+    """fp32 CPU weights are stored transposed in memory (for MKL's small-row products), every other
+    dtype row-major; a cast or move chooses again, loading keeps the layout, files and outputs are the
+    same as with row-major weights."""
+    from tlt.model.transformer import column_major_linears
+
+    model = tiny_model(seed=4)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.stride() == (1, q.shape[0]) and model.model.embed_tokens.weight.is_contiguous()
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        rows = {n: p.contiguous() for n, p in model.named_parameters()}
+        row_major = tiny_model(seed=4)
+        for n, p in row_major.named_parameters():
+            p.data = rows[n]
+        assert torch.allclose(row_major(ids).logits, expected, atol=1e-5)
+    model.save_pretrained(tmp_path / "m")
+    loaded = tlt.load_model(tmp_path / "m")
+    assert loaded.model.layers[1].mlp.down_proj.weight.t().is_contiguous()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected)
+        loaded.load_state_dict(row_major.state_dict())  # row-major tensors copied in: the layout stays
+    assert loaded.model.layers[1].mlp.down_proj.weight.t().is_contiguous()
+    half = model.to(torch.bfloat16)
+    assert all(p.is_contiguous() for p in half.parameters())
+    back = half.float()
+    assert back.model.layers[0].self_attn.o_proj.weight.t().is_contiguous()
+    assert column_major_linears(back) is back
+
+
+def test_rope_tables_equal_direct_computation_and_follow_their_frequencies(tiny_model):
+    from tlt.model.rope import RopeTables, rope_tables
+
+    inv_freq = tiny_model().inv_freq
+    tables = RopeTables()
+    positions = torch.tensor([[0, 3, 255], [700, 1, 2]])  # 700: past the first table of 256 rows
+    for pos in (positions[:, :1], positions):
+        cos, sin = tables(pos, inv_freq, 1.0, torch.float32)
+        ref_cos, ref_sin = rope_tables(pos, inv_freq, 1.0, torch.float32)
+        assert cos.shape == ref_cos.shape == (*pos.shape, 1, inv_freq.numel() * 2)
+        assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
+    assert tables.cos.shape[0] >= 701
+    other = inv_freq * 0.5  # new frequencies: new tables
+    assert torch.allclose(tables(positions, other, 1.0, torch.float32)[0], rope_tables(positions, other, 1.0,
+                                                                                   torch.float32)[0], atol=1e-6)
+    assert tables(positions, other, 2.0, torch.float32)[1].abs().max() > 1.5  # the scaling is applied
+    assert tables(positions, other, 1.0, torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_tables_built_in_inference_mode_serve_training(tiny_model):
+    model = tiny_model(seed=1)
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.inference_mode():
+        model(ids)
+    loss = model(ids).logits.logsumexp(-1).sum()
+    loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None

@@ -23,7 +23,9 @@ def random_target(vocab=61, seed=0, scale=0.3):
     )).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, scale)
+            # Drawn contiguous, then copied: the same weights whatever the parameter's memory layout.
+            fresh = torch.empty(p.shape, dtype=p.dtype)
+            p.copy_(fresh.uniform_(0.5, 1.5) if "norm" in name else fresh.normal_(0, scale))
     return model
 
 

@@ -21,7 +21,7 @@ import torch
 from tlt.errors import CheckpointError, ConfigError
 from tlt.io import atomic_write_bytes, atomic_write_json
 from tlt.model.config import ModelConfig
-from tlt.model.transformer import Transformer
+from tlt.model.transformer import Transformer, column_major_linears
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_MODELS = {"default": ASSETS / "default"}
@@ -161,6 +161,7 @@ def load_model(
 
     inv_freq, _ = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     model.inv_freq = inv_freq.to(model.device)
+    column_major_linears(model)  # the loaded tensors replaced the constructor's weights
     model.eval()
     return model
 

@@ -37,8 +37,8 @@ from torch import nn
 from tlt.errors import CheckpointError
 from tlt.model.config import ModelConfig
 from tlt.model.kv_cache import KVCache
-from tlt.model.rope import rope_tables
-from tlt.model.transformer import DecoderLayer, Transformer, additive, attention_mask_for, training_mask
+from tlt.model.transformer import (ColumnMajorLinears, DecoderLayer, Transformer, additive, attention_mask_for,
+                                   training_mask)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, torch.Tens
             raise CheckpointError(f"{where}: tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
 
 
-class Drafter(nn.Module):
+class Drafter(ColumnMajorLinears, nn.Module):
     def __init__(self, target: Transformer, config: DrafterConfig | None = None) -> None:
         super().__init__()
         self.config = config or DrafterConfig.for_target(target)
@@ -103,11 +103,14 @@ class Drafter(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         drafter = cls(target, DrafterConfig.for_target(target, feature_layers))
-        for m in drafter.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        with torch.no_grad():
+            for m in drafter.modules():
+                if isinstance(m, nn.Linear):
+                    # Drawn contiguous, then copied: the same drafter for a seed whatever the weights' layout.
+                    w = m.weight
+                    w.copy_(torch.empty(w.shape, dtype=w.dtype, device=w.device).normal_(std=0.02))
+                    if m.bias is not None:
+                        m.bias.zero_()
         return drafter
 
     def new_cache(self, batch_size: int, **kwargs) -> KVCache:
@@ -148,7 +151,7 @@ class Drafter(nn.Module):
             mask = additive(training_mask(attention_mask, position_ids, B, T, x.device), x.dtype)
         else:
             mask = attention_mask_for(cache, T, tree_mask, attention_mask, x.dtype)
-        cos, sin = rope_tables(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
+        cos, sin = target.rope(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
         f_hat = self.layer(x, cos, sin, mask, cache, 0)  # [B, T, H], straight to the LM head
         if cache is not None:
             cache.advance(attention_mask.long().sum(1) if attention_mask is not None else T)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from tlt.errors import CheckpointError, ConfigError
+from tlt.model.rope import RopeTables
 from tlt.model.transformer import OnLMHead
 from tlt.speculative.data import PackedBatch
 
@@ -278,6 +279,7 @@ class TargetHead(OnLMHead, torch.nn.Module):
                 self.lm_head.weight.copy_(target.lm_head.weight)
         self.register_buffer("inv_freq", target.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling_factor = target.rope_scaling_factor
+        self.rope = RopeTables()
         self.requires_grad_(False)
         self.to(target.device)
 
