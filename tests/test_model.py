@@ -84,25 +84,26 @@ def test_packed_rows_equal_separate_sequences(tiny_model):
         assert (out[:, 7:] - model(b).logits).abs().max() <= 1e-5
 
 
-def test_cached_decoding_equals_full_forward(tiny_model):
+@pytest.mark.parametrize("rows", [3, 9])  # 9: a CPU decode step of 8+ rows takes attend's matmul path
+def test_cached_decoding_equals_full_forward(tiny_model, rows):
     model = tiny_model()
-    ids = torch.randint(0, 61, (3, 30))
-    lengths = torch.tensor([10, 6, 8])  # prompts of different lengths, right-padded in one prefill
+    ids = torch.randint(0, 61, (rows, 30))
+    lengths = torch.tensor([10, 6, 8, 4, 10, 7, 9, 5, 6][:rows])  # prompts of different lengths, right-padded
     valid = torch.arange(10)[None] < lengths[:, None]
-    cache = model.new_cache(3, block=8)
+    cache = model.new_cache(rows, block=8)
     with torch.no_grad():
         full = model(ids).logits
         prefill = model(ids[:, :10] * valid, attention_mask=valid, cache=cache)
         assert cache.lengths.tolist() == lengths.tolist()
-        for b in range(3):
+        for b in range(rows):
             n = int(lengths[b])
             assert (prefill.logits[b, :n] - full[b, :n]).abs().max() <= 1e-5
         # Each row continues from its own length: feed row b the token at its own next position.
         for _ in range(15):
-            step = torch.stack([ids[b, cache.lengths[b]] for b in range(3)])[:, None]
+            step = torch.stack([ids[b, cache.lengths[b]] for b in range(rows)])[:, None]
             before = cache.lengths.clone()
             out = model(step, cache=cache).logits[:, 0]
-            for b in range(3):
+            for b in range(rows):
                 assert (out[b] - full[b, before[b]]).abs().max() <= 1e-5
     assert cache.capacity % 8 == 0 and cache.capacity >= cache.max_length
 
@@ -292,3 +293,25 @@ def test_tables_built_in_inference_mode_serve_training(tiny_model):
     loss = model(ids).logits.logsumexp(-1).sum()
     loss.backward()
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
+def test_attend_equals_scaled_dot_product_attention(heads, kv_heads):
+    """Both of attend's paths (a one-token CPU step of 8+ rows, and the rest) against PyTorch's SDPA
+    with the kv heads repeated, under an additive mask that hides some keys of each row."""
+    import torch.nn.functional as F
+
+    from tlt.model.transformer import attend
+
+    g = torch.Generator().manual_seed(0)
+    for B, T in [(9, 1), (2, 1), (9, 3)]:
+        q, k, v = (torch.randn(B, h, n, 16, generator=g) for h, n in ((heads, T), (kv_heads, 20), (kv_heads, 20)))
+        mask = torch.zeros(B, 1, T, 20).masked_fill(torch.rand(B, 1, T, 20, generator=g) < 0.3, float("-inf"))
+        mask[..., -1] = 0  # every query sees at least one key
+        repeat = heads // kv_heads
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
+                                             attn_mask=mask)
+        assert torch.allclose(attend(q, k, v, mask), ref, atol=1e-5)
+        if T == 1:
+            assert torch.allclose(attend(q, k, v, None), F.scaled_dot_product_attention(
+                q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)), atol=1e-5)
