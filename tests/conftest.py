@@ -55,11 +55,8 @@ def tiny_model():
         )
         fields.update(overrides)
         torch.manual_seed(seed)
-        model = Transformer(ModelConfig(**fields)).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                fresh = torch.empty(p.shape, dtype=p.dtype)  # contiguous: the same draws whatever the layout
-                p.copy_(fresh.uniform_(0.5, 1.5) if "norm" in name else fresh.normal_(0, 0.1))
-        return model
+        from random_weights import randomize_
+
+        return randomize_(Transformer(ModelConfig(**fields)).eval(), 0.1)
 
     return make

@@ -16,6 +16,8 @@ from tlt.model.checkpoint import save_pretrained
 from tlt.speculative.drafter import BUILTIN_DRAFTERS
 from tlt.speculative.export import export_eagle, find_drafter
 
+from random_weights import randomize_
+
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
 
@@ -30,11 +32,7 @@ def make_target(tiny_model, folder, arch="LlamaForCausalLM", **overrides):
 def save_drafter(model, folder, **kwargs):
     """Save a drafter whose every parameter is random (fc.bias and the norm too, which from_target
     starts at 0 and 1), so that no tensor is checked only at its initial value."""
-    drafter = tlt.Drafter.from_target(model, seed=1, **kwargs)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            fresh = torch.empty(p.shape, dtype=p.dtype)  # contiguous: the same draws whatever the layout
-            p.copy_(fresh.uniform_(0.5, 1.5) if "norm" in name else fresh.normal_(0, 0.1))
+    drafter = randomize_(tlt.Drafter.from_target(model, seed=1, **kwargs), 0.1)
     drafter.save(folder)
     return drafter.eval()
 

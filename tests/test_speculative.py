@@ -11,6 +11,8 @@ from tlt.model import ModelConfig, Transformer
 from tlt.rollout.sampling import warp_logprobs
 from tlt.speculative import Drafter, Strategy
 
+from random_weights import randomize_
+
 STRATEGIES = ["chain-d3", "tree-d4-k3-v10", "ngram-d4"]
 
 
@@ -21,12 +23,7 @@ def random_target(vocab=61, seed=0, scale=0.3):
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         max_position_embeddings=256, qk_norm=True, eos_token_id=1,
     )).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Drawn contiguous, then copied: the same weights whatever the parameter's memory layout.
-            fresh = torch.empty(p.shape, dtype=p.dtype)
-            p.copy_(fresh.uniform_(0.5, 1.5) if "norm" in name else fresh.normal_(0, scale))
-    return model
+    return randomize_(model, scale)
 
 
 class AdversarialDrafter(Drafter):

@@ -21,7 +21,7 @@ import torch
 from tlt.errors import CheckpointError, ConfigError
 from tlt.io import atomic_write_bytes, atomic_write_json
 from tlt.model.config import ModelConfig
-from tlt.model.transformer import Transformer, column_major_linears
+from tlt.model.transformer import Transformer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_MODELS = {"default": ASSETS / "default"}
@@ -153,7 +153,7 @@ def load_model(
             )
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: v.to(target) for k, v in tensors.items()}, strict=False, assign=True)
-    model.to(dtype=target)
+    model.to(dtype=target)  # also lays the loaded weights out (`ColumnMajorLinears`)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers are not in the checkpoint; meta-device init left them empty.
@@ -161,7 +161,6 @@ def load_model(
 
     inv_freq, _ = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     model.inv_freq = inv_freq.to(model.device)
-    column_major_linears(model)  # the loaded tensors replaced the constructor's weights
     model.eval()
     return model
 

@@ -125,7 +125,7 @@ class RopeTables:
         if size < bound:
             with torch.inference_mode(False), torch.no_grad():
                 cos, sin = rope_tables(torch.arange(max(bound, 2 * size, 256), device=inv_freq.device)[None],
-                                       inv_freq.clone(), scaling, dtype)
+                                       inv_freq, scaling, dtype)
             self.cos, self.sin, self.key = cos[0, :, 0], sin[0, :, 0], (inv_freq, scaling, dtype)
         return (torch.nn.functional.embedding(positions, self.cos)[..., None, :],
                 torch.nn.functional.embedding(positions, self.sin)[..., None, :])

@@ -149,9 +149,9 @@ def column_major_linears(module: nn.Module) -> nn.Module:
     tied = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     with torch.no_grad():
         for m in module.modules():
-            w = getattr(m, "weight", None)
-            if not isinstance(m, nn.Linear) or w is None or w.dim() != 2 or id(w) in tied:
+            if not isinstance(m, nn.Linear) or id(m.weight) in tied:
                 continue
+            w = m.weight
             if w.device.type == "cpu" and w.dtype == torch.float32:
                 if not w.t().is_contiguous():
                     w.data = w.data.t().contiguous().t()

@@ -195,12 +195,9 @@ def _num_threads(n: int):
 def _sync(policy, optimizer) -> None:
     """Every rank takes rank 0's parameters and optimizer state."""
     for p in policy.parameters():
-        if p.is_contiguous():
-            dist.broadcast(p.data, src=0)
-        else:  # a column-major CPU weight: collectives take contiguous tensors
-            flat = p.data.contiguous()
-            dist.broadcast(flat, src=0)
-            p.data.copy_(flat)
+        flat = p.data.contiguous()  # collectives take contiguous tensors; CPU weights are column-major
+        dist.broadcast(flat, src=0)
+        p.data.copy_(flat)
     box = [optimizer.state_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() != 0:
