@@ -21,8 +21,8 @@ from tlt.speculative.drafter import Drafter
 from tlt.speculative.strategy import Strategy
 from tlt.spot.buffer import Entry, OnlineBuffer, favour_long, keep_recent, sampled_batches
 from tlt.spot.coordinator import Coordinator, WorkerState
-from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer, latest_drafter_checkpoint,
-                              load_checkpoint)
+from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer, _snapshot,
+                              latest_drafter_checkpoint, load_checkpoint, write_checkpoint)
 from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
 
 
@@ -268,6 +268,18 @@ def test_async_checkpoint_round_trip(tmp_path, target, records):
         trainer.train(batches_of(records, c), lambda: False)
         writer.save(trainer.state_dict(), trainer.drafter.config)
     assert len(list((tmp_path / "ck").glob("drafter_*"))) == 2  # keep=2
+
+
+def test_a_new_run_in_an_old_runs_folder_keeps_what_latest_names(tmp_path, target):
+    """Versions start again at 1 in a new run; the old run's higher-numbered checkpoints must not push
+    out the one latest.json has just been pointed at."""
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), small())
+    root = tmp_path / "ck"
+    for version in (22, 23, 1):  # an old run's last two, then the new run's first
+        trainer.version = version
+        write_checkpoint(root, _snapshot(trainer.state_dict()), trainer.drafter.config, {}, keep=2)
+        assert latest_drafter_checkpoint(root).name == f"drafter_{version:08d}"
+    assert sorted(p.name for p in root.glob("drafter_*")) == ["drafter_00000001", "drafter_00000023"]
 
 
 KILL_SCRIPT = textwrap.dedent("""

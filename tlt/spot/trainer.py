@@ -299,7 +299,7 @@ class DrafterCheckpointer:
         root/latest.json           {"version": v, "dir": "drafter_00000v"}
         root/drafter_00000v/       drafter.safetensors + drafter_config.json (a loadable drafter folder),
                                    optimizer.pt, spot.json (counters and schedule)
-    Only `keep` newest checkpoints stay."""
+    The one just written stays, with the `keep` - 1 highest-numbered others."""
 
     def __init__(self, root: str | os.PathLike, keep: int = 2) -> None:
         self.root, self.keep = Path(root), keep
@@ -351,8 +351,10 @@ def write_checkpoint(root: Path, snapshot: dict, drafter_config, extra: dict, ke
     with atomic_folder(final) as tmp:
         write_files(tmp, snapshot, drafter_config, extra)
     atomic_write_json(root / "latest.json", {"version": snapshot["version"], "dir": final.name})
-    versions = sorted(p for p in root.glob("drafter_*") if p.is_dir())
-    for old in versions[:-keep]:
+    # The one just written stays whatever its number: a new run writing into an old run's folder
+    # starts again at low versions, and latest.json now names this one.
+    others = sorted(p for p in root.glob("drafter_*") if p.is_dir() and p != final)
+    for old in others[: max(len(others) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
