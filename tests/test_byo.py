@@ -69,7 +69,9 @@ def test_trl_jsonl_with_a_user_reward_in_a_worker_process(model_dir, tmp_path, s
         assert row["reward_errors"] == 0
         # A reward that never saw `scale` scores 0. With it, a completion of any visible text scores >= 10.
         assert row["reward"] > 1.0
-        assert row["loss"] != 0.0
+        # The update learned something. Not `loss != 0`: at ratio 1 with responses of equal length a
+        # group's advantages cancel in the loss's value (it is ~1e-8, once exactly 0.0), not in its gradient.
+        assert row["grad_norm"] > 0.0
     if speculation["speculative"] == "on":
         assert all(r["acceptance_length"] is not None and set(r["strategies"]) == {"ngram-d4"} for r in metrics[1:])
 

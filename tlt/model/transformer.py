@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tlt.model.attention import attend
 from tlt.model.config import ModelConfig
+from tlt.model.fused import FusedWeights, fused_layer_step, uses_fused_step
 from tlt.model.kv_cache import KVCache
 from tlt.model.rope import RopeTables, apply_rope, inverse_frequencies
 
@@ -53,24 +55,6 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 but apply the weight in the input dtype, as the reference implementation
         # does, so bf16 models agree with it.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over keys/values [B, H_kv, S, D] (query head h reads kv head
-    h // (H / H_kv)), with the additive `mask` [B, 1, T, S], or causal over the last T keys when None.
-    One new float32 token per row in a CPU batch of 8 or more (a decode step) takes two batched matmuls
-    and a softmax: CPU scaled_dot_product_attention runs them 2-3x slower there (8 rows x 300 keys:
-    384 us against 194; 64 rows: 5.1 ms against 1.8, per layer, 2 threads). Everything else goes to
-    scaled_dot_product_attention."""
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    if T == 1 and B >= 8 and q.device.type == "cpu" and q.dtype == torch.float32:
-        scores = torch.matmul(q.reshape(B, Hkv, H // Hkv, D), k.transpose(-1, -2)) * D**-0.5  # [B, H_kv, G, S]
-        if mask is not None:
-            scores = scores + mask  # [B, 1, 1, S] over every head
-        return torch.matmul(scores.softmax(-1), v).view(B, H, 1, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                          enable_gqa=H != Hkv)
 
 
 class Attention(nn.Module):
@@ -123,8 +107,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
+        self._fused: FusedWeights | None = None
+        self._tables: list[dict] | None = None
+
+    def fused_weights(self) -> FusedWeights:
+        """The weights of the fused inference step (tlt/model/fused.py), rebuilt when a parameter changed."""
+        if self._tables is None:
+            self._tables = [m._parameters for m in self.modules()]
+        key = FusedWeights.key_of(self._tables)
+        if self._fused is None or self._fused.key != key:
+            self._fused = FusedWeights.build(self, key)
+        return self._fused
 
     def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
+        if uses_fused_step(x):
+            return fused_layer_step(self, self.fused_weights(), x, cos, sin, mask, cache, layer)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -194,10 +194,11 @@ def _num_threads(n: int):
 # --- the collectives: every rank calls each with the same arguments but rank 0's payload -------------
 def _sync(policy, optimizer) -> None:
     """Every rank takes rank 0's parameters and optimizer state."""
-    for p in policy.parameters():
-        flat = p.data.contiguous()  # collectives take contiguous tensors; CPU weights are column-major
-        dist.broadcast(flat, src=0)
-        p.data.copy_(flat)
+    with torch.no_grad():
+        for p in policy.parameters():
+            flat = p.detach().contiguous()  # collectives take contiguous tensors; CPU weights are column-major
+            dist.broadcast(flat, src=0)
+            p.copy_(flat)  # through the parameter, so its version moves and fused inference weights follow
     box = [optimizer.state_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() != 0:

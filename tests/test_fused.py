@@ -1,0 +1,145 @@
+"""The fused inference step of a decoder layer (tlt/model/fused.py) against the reference layer, and its
+prepared weights against every way the parameters can change."""
+
+import pytest
+import torch
+
+from tlt.model.fused import fused_layer_step, uses_fused_step
+from tlt.model.transformer import attention_mask_for
+
+VARIANTS = {
+    "qwen3 (q/k norm)": dict(qk_norm=True),
+    "qwen2 (q/k/v bias)": dict(architecture="Qwen2ForCausalLM", qk_norm=False, qkv_bias=True),
+    "llama (o and mlp bias)": dict(architecture="LlamaForCausalLM", qk_norm=False, o_bias=True, mlp_bias=True),
+}
+
+
+def reference(layer, *args):
+    """The reference layer's result without gradients (where the model itself would take the fused step)."""
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr("tlt.model.transformer.uses_fused_step", lambda x: False)
+        return layer(*args)
+
+
+def fused(layer, *args):
+    with torch.no_grad():
+        return fused_layer_step(layer, layer.fused_weights(), *args)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_step_equals_reference_layer(tiny_model, variant):
+    model = tiny_model(seed=2, **VARIANTS[variant])
+    layer = model.model.layers[1]
+    H = model.config.hidden_size
+    torch.manual_seed(0)
+    # Training forward: causal over 7 tokens, no cache.
+    x = torch.randn(2, 7, H)
+    cos, sin = model.rope(torch.arange(7).expand(2, 7), model.inv_freq, 1.0, torch.float32)
+    assert torch.allclose(fused(layer, x, cos, sin, None, None, 1), reference(layer, x, cos, sin, None, None, 1),
+                          atol=1e-5)
+    # Cached forward of a 4-node tree after rows of unequal lengths (9 and 5 cached tokens).
+    for step in (reference, fused):
+        cache = model.new_cache(2)
+        lengths = torch.tensor([9, 5])
+        prompt = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(4))
+        pos = torch.arange(9).expand(2, 9)
+        p_cos, p_sin = model.rope(pos, model.inv_freq, 1.0, torch.float32)
+        valid = torch.arange(9)[None] < lengths[:, None]
+        mask = attention_mask_for(cache, 9, None, valid.long(), torch.float32)
+        step(layer, prompt, p_cos, p_sin, mask, cache, 1)
+        cache.advance(lengths)
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        new = torch.randn(2, 4, H, generator=torch.Generator().manual_seed(5))
+        t_pos = lengths[:, None] + torch.tensor([0, 1, 1, 2])
+        t_cos, t_sin = model.rope(t_pos, model.inv_freq, 1.0, torch.float32)
+        out = step(layer, new, t_cos, t_sin, attention_mask_for(cache, 4, tree, None, torch.float32), cache, 1)
+        if step is reference:
+            expected = out
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_fused_drafter_layer_without_input_norm(tiny_model):
+    from tlt.speculative import Drafter
+
+    model = tiny_model(seed=1)
+    drafter = Drafter.from_target(model, seed=3)
+    x = torch.randn(1, 6, model.config.hidden_size)
+    cos, sin = model.rope(torch.arange(6)[None], model.inv_freq, 1.0, torch.float32)
+    assert isinstance(drafter.layer.input_layernorm, torch.nn.Identity)
+    assert torch.allclose(fused(drafter.layer, x, cos, sin, None, None, 0),
+                          reference(drafter.layer, x, cos, sin, None, None, 0), atol=1e-5)
+
+
+def test_model_runs_the_fused_step_without_gradients_only(tiny_model):
+    model = tiny_model(seed=4)
+    ids = torch.randint(3, 61, (2, 11))
+    with torch.no_grad():
+        fused_logits = model(ids).logits
+    assert model.model.layers[0]._fused is not None
+    assert torch.allclose(model(ids).logits.detach(), fused_logits, atol=1e-5)
+    assert not uses_fused_step(torch.zeros(1))
+    with torch.no_grad():
+        assert uses_fused_step(torch.zeros(1))
+        assert not uses_fused_step(torch.zeros(1, dtype=torch.bfloat16))
+    # Half precision keeps the reference layer: the same result bit for bit with gradients on or off.
+    half = tiny_model(seed=4).bfloat16()
+    with torch.no_grad():
+        off = half(ids).logits
+    assert torch.equal(half(ids).logits.detach(), off)
+    assert half.model.layers[0]._fused is None
+
+
+def no_grad_logits(model, ids):
+    with torch.inference_mode():
+        return model(ids).logits
+
+
+def grad_logits(model, ids):
+    return model(ids).logits.detach()
+
+
+def changes():
+    """Ways a policy's weights change between rollouts, each applied to a model in place."""
+
+    def optimizer_step(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randint(3, 61, (1, 8))).logits.square().mean().backward()
+        opt.step()
+
+    def load_state_dict(model):
+        other = {k: v + 0.05 for k, v in model.state_dict().items()}
+        model.load_state_dict(other)
+
+    def load_state_dict_assign(model):
+        other = {k: (v * 1.1).clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(other, assign=True)
+
+    def copy_under_no_grad(model):
+        with torch.no_grad():
+            model.model.layers[0].self_attn.k_proj.weight.copy_(torch.randn_like(model.model.layers[0].self_attn.k_proj.weight))
+            model.model.layers[1].post_attention_layernorm.weight.mul_(1.5)
+
+    def cast_round_trip(model):
+        model.double()
+        with torch.no_grad():
+            model.model.layers[1].mlp.up_proj.weight.add_(0.1)
+        model.float()
+
+    def new_parameter(model):
+        w = model.model.layers[0].mlp.down_proj.weight
+        model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(w.detach() * -1)
+
+    return [optimizer_step, load_state_dict, load_state_dict_assign, copy_under_no_grad, cast_round_trip, new_parameter]
+
+
+@pytest.mark.parametrize("change", changes(), ids=lambda f: f.__name__)
+def test_fused_weights_follow_parameter_changes(tiny_model, change):
+    """The prepared weights are keyed by each parameter's storage and version: after any of these
+    changes the next inference forward must use the new weights, never the ones prepared before."""
+    model = tiny_model(seed=6)
+    ids = torch.randint(3, 61, (2, 9))
+    before = no_grad_logits(model, ids)  # prepares the fused weights
+    change(model)
+    after = no_grad_logits(model, ids)
+    assert not torch.allclose(after, before, atol=1e-3)
+    assert torch.allclose(after, grad_logits(model, ids), atol=1e-5)

@@ -1,0 +1,24 @@
+"""Scaled dot-product attention for every forward of the model, with grouped-query heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over keys/values [B, H_kv, S, D] (query head h reads kv head
+    h // (H / H_kv)), with the additive `mask` [B, 1, T, S], or causal over the last T keys when None.
+    One new float32 token per row in a CPU batch of 8 or more (a decode step) takes two batched matmuls
+    and a softmax: CPU scaled_dot_product_attention runs them 2-3x slower there (8 rows x 300 keys:
+    384 us against 194; 64 rows: 5.1 ms against 1.8, per layer, 2 threads). Everything else goes to
+    scaled_dot_product_attention."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    if T == 1 and B >= 8 and q.device.type == "cpu" and q.dtype == torch.float32:
+        scores = torch.matmul(q.reshape(B, Hkv, H // Hkv, D), k.transpose(-1, -2)) * D**-0.5  # [B, H_kv, G, S]
+        if mask is not None:
+            scores = scores + mask  # [B, 1, 1, S] over every head
+        return torch.matmul(scores.softmax(-1), v).view(B, H, 1, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                          enable_gqa=H != Hkv)

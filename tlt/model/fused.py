@@ -1,0 +1,131 @@
+"""The decoder layer's inference step on fused weights: the same function with half the operators.
+
+A decode step of a small model is bound by the count of operators, not by arithmetic: on a 2-core CPU
+every PyTorch call costs 5-20 us whatever its size, and a reference layer (RMSNorm as about seven
+calls, three q/k/v products, two q/k norms, two RoPE rotations, two MLP input products, separate
+residual adds, a dozen module calls) is about 55 calls, 1.3 ms for one token of the default model. Without
+gradients the layer instead runs on weights prepared once:
+
+  - the input norm's weight is folded into the q/k/v product, whose three weights are stacked into one:
+    q|k|v = (x * r) @ (W_qkv * w_in)^T, r = rsqrt(mean(x^2) + eps) [one product instead of three];
+  - q and k, adjacent in that output, share one per-head norm (their two weights stacked) and one RoPE
+    rotation;
+  - the post-attention norm's weight is folded into the stacked gate|up product likewise;
+  - the o and down products add the residual inside the matrix product (addmm).
+
+About 30 calls, 0.75 ms (1.7x faster; 9 tokens 1.6x, 17 tokens 1.5x; paired medians, 2 threads). The
+result equals the reference layer up to float32 rounding (about 1e-6, the products and the norm
+multiply in another order), so it is used for float32 only: half precision keeps the reference
+layer, whose order of rounding transformers' layers share. Training (gradients on) always runs the
+reference layer on the parameters themselves.
+
+The prepared weights are rebuilt when any parameter of the layer changes: they are keyed by each
+parameter's storage and version counter, which every in-place update bumps (optimizer steps,
+`load_state_dict`, `copy_` under `torch.no_grad()`), as does moving or casting the module or assigning
+a new parameter. A write through `param.data` bypasses the counter and is not seen (update weights in
+place under `torch.no_grad()` instead), nor is a submodule replaced by another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt.model.attention import attend
+from tlt.model.rope import apply_rope
+
+
+def uses_fused_step(x: torch.Tensor) -> bool:
+    """Whether a layer forward on hidden states `x` runs the fused step: float32 without gradients."""
+    return x.dtype == torch.float32 and not torch.is_grad_enabled()
+
+
+def _column_major(w: torch.Tensor) -> torch.Tensor:
+    """The layout `column_major_linears` gives a float32 CPU weight; row-major otherwise."""
+    if w.device.type == "cpu" and w.dtype == torch.float32:
+        return w.t().contiguous().t()
+    return w.contiguous()
+
+
+def _stack_bias(*linears: nn.Linear) -> torch.Tensor | None:
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+
+
+@dataclass
+class FusedWeights:
+    key: tuple  # (storage, version) of every parameter the weights were built from
+    qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden], the input norm's weight folded in
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [H + H_kv, D]: q_norm's weight per query head, then k_norm's per kv head
+    o_t: torch.Tensor  # [H D, hidden]
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # [2 I, hidden], the post-attention norm's weight folded in
+    gate_up_bias: torch.Tensor | None
+    down_t: torch.Tensor  # [I, hidden]
+    down_bias: torch.Tensor | None
+
+    @staticmethod
+    def key_of(tables: list[dict]) -> tuple:
+        """The key of the parameters in `tables`, the `_parameters` dicts of a layer's modules (read
+        directly: `Module.parameters()` costs 60 us a call, as much as the operators saved)."""
+        return tuple((p.data_ptr(), p._version) for table in tables for p in table.values() if p is not None)
+
+    @classmethod
+    def build(cls, layer: nn.Module, key: tuple) -> "FusedWeights":
+        a, mlp = layer.self_attn, layer.mlp
+        with torch.no_grad():
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            if isinstance(layer.input_layernorm, nn.Identity):
+                qkv = qkv.clone()
+            else:
+                qkv = qkv * layer.input_layernorm.weight
+            qk_norm = None
+            if a.qk_norm:
+                qk_norm = torch.cat([a.q_norm.weight.expand(a.heads, a.head_dim),
+                                     a.k_norm.weight.expand(a.kv_heads, a.head_dim)])
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * layer.post_attention_layernorm.weight
+            return cls(key, _column_major(qkv), _stack_bias(a.q_proj, a.k_proj, a.v_proj), qk_norm,
+                       a.o_proj.weight.t(), a.o_proj.bias, _column_major(gate_up),
+                       _stack_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj.weight.t(), mlp.down_proj.bias)
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x^2) + eps) over the last dim, keeping it: [..., 1]."""
+    return torch.mean(x * x, -1, keepdim=True).add_(eps).rsqrt_()
+
+
+def _add_product(residual: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """residual + x @ w_t (+ bias), all [N, *] 2-D."""
+    out = torch.addmm(residual, x, w_t)
+    return out if bias is None else out.add_(bias)
+
+
+def fused_layer_step(layer: nn.Module, fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     mask: torch.Tensor | None, cache, index: int) -> torch.Tensor:
+    """`DecoderLayer.forward` (same arguments, same result up to rounding) on `fused` weights; x [B, T, hidden]."""
+    a = layer.self_attn
+    H, Hkv, D = a.heads, a.kv_heads, a.head_dim
+    B, T, hidden = x.shape
+    x2 = x.reshape(B * T, hidden)
+    normed = x2 if isinstance(layer.input_layernorm, nn.Identity) else x2 * _rms(x2, layer.input_layernorm.eps)
+    qkv = F.linear(normed, fused.qkv, fused.qkv_bias).view(B, T, H + 2 * Hkv, D)
+    qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]
+    if fused.qk_norm is not None:
+        qk = qk * _rms(qk, a.q_norm.eps) * fused.qk_norm
+    qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H + H_kv, T, D]
+    q, k = qk[:, :H], qk[:, H:]
+    v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
+    if cache is not None:
+        k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
+    out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
+    x2 = _add_product(x2, out, fused.o_t, fused.o_bias)
+    norm = layer.post_attention_layernorm
+    gate_up = F.linear(x2 * _rms(x2, norm.eps), fused.gate_up, fused.gate_up_bias)  # [B T, 2 I]
+    inter = gate_up.shape[1] // 2
+    x2 = _add_product(x2, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], fused.down_t, fused.down_bias)
+    return x2.view(B, T, hidden)
