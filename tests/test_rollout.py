@@ -240,3 +240,23 @@ def test_progress_bar_draws_only_when_enabled():
     quiet = io.StringIO()
     Progress(10, "rollout", enabled=None, stream=quiet).update(10)  # not a terminal: nothing drawn
     assert quiet.getvalue() == ""
+
+
+
+def test_uniform_draws_do_not_depend_on_how_many_are_drawn_at_once(monkeypatch):
+    """Small CPU draws are computed with Python ints, larger ones with tensor operators: a row's draw
+    must be the same bits either way, or its sample would change with the live batch size."""
+    from tlt.rollout import rng
+
+    keys = torch.tensor([rng.sequence_key(seed, seed % 4) for seed in range(200)])  # negative keys included
+    counters = torch.randint(0, 1 << 40, (200,), generator=torch.Generator().manual_seed(0))
+    for stream in (0, 1, 3):
+        together = rng.uniform(keys, counters, stream)  # 200 > rng.SMALL: tensor operators
+        apart = torch.cat([rng.uniform(keys[i : i + 8], counters[i : i + 8], stream) for i in range(0, 200, 8)])
+        assert torch.equal(together, apart)
+        assert ((together >= 0) & (together < 1)).all() and together.unique().numel() == 200
+        monkeypatch.setattr(rng, "SMALL", 1000)
+        assert torch.equal(rng.uniform(keys, counters, stream), together)  # all 200 as Python ints
+        monkeypatch.setattr(rng, "SMALL", 0)
+        assert torch.equal(rng.uniform(keys[:8], counters[:8], stream), together[:8])  # 8 through tensors
+        monkeypatch.undo()

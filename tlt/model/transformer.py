@@ -223,11 +223,10 @@ def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, a
     if attention_mask is not None:
         keys = torch.cat([torch.ones(B, D, dtype=torch.bool, device=device), attention_mask.bool()], 1)  # [B, D + T]
         allowed = allowed & keys[:, None, :]
-    cols = torch.arange(D + T, device=device)
-    allowed = allowed | (cols[None, :] == (D + torch.arange(T, device=device))[:, None])  # every token sees itself
-    mask = torch.zeros(B, 1, T, hi + T, dtype=dtype, device=device)
-    mask[:, 0, :, hi - D :].masked_fill_(~allowed, float("-inf"))
-    return mask
+    allowed = allowed.clone()
+    allowed.diagonal(D, -2, -1).fill_(True)  # every token sees itself
+    tail = torch.where(allowed, 0.0, float("-inf")).to(dtype).expand(B, T, D + T)  # [B, T, D + T]
+    return torch.cat([torch.zeros(B, T, hi - D, dtype=dtype, device=device), tail], 2)[:, None]
 
 
 class OnLMHead:

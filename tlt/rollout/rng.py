@@ -48,7 +48,16 @@ def sequence_key(seed: int, index: int) -> int:
     return _as_int64(_mix_int(_mix_int(seed & ((1 << 64) - 1)) ^ index))
 
 
+SMALL = 64  # up to this many draws on the CPU, Python ints beat ~30 tensor operators (40 us vs 150 for 9)
+
+
 def uniform(keys: torch.Tensor, counters: torch.Tensor, stream: int = 0) -> torch.Tensor:
-    """float64 uniforms in [0, 1), one per (key, counter) pair; `stream` separates independent uses."""
+    """float64 uniforms in [0, 1), one per (key, counter) pair (tensors of one shape); `stream` separates
+    independent uses."""
+    if keys.numel() <= SMALL and keys.device.type == "cpu":
+        m = (1 << 64) - 1
+        draws = [(_mix_int(k & m ^ _mix_int((c * 8 + stream) & m)) >> 11) * (1.0 / (1 << 53))
+                 for k, c in zip(keys.flatten().tolist(), counters.flatten().tolist())]
+        return torch.tensor(draws, dtype=torch.float64).view(keys.shape)
     z = mix(keys ^ mix(counters * 8 + stream))
     return _shr(z, 11).double() * (1.0 / (1 << 53))

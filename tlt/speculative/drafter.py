@@ -143,8 +143,7 @@ class Drafter(ColumnMajorLinears, nn.Module):
         position_ids [B, T] are the features' positions t. Without a cache: causal attention over the T
         pairs (training; attention_mask marks real pairs, a position 0 starts a new packed sequence)."""
         target = self.target
-        with torch.no_grad():
-            embedded = target.model.embed_tokens(tokens)  # [B, T, H], frozen
+        embedded = F.embedding(tokens, target.model.embed_tokens.weight.detach())  # [B, T, H], frozen
         x = self.fc(torch.cat([embedded.to(features.dtype), features], dim=-1))  # [B, T, H]
         B, T = tokens.shape
         if cache is None:

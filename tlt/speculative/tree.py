@@ -38,14 +38,18 @@ class Draft:
         """[B, N, N]: node i may attend to node j iff j is i or one of its ancestors."""
         B, N = self.tokens.shape
         device = self.tokens.device
-        anc = torch.eye(N, dtype=torch.bool, device=device).expand(B, N, N).clone()
-        node = torch.arange(N, device=device).expand(B, N)
-        up = self.parents  # [B, N] after i passes: each node's ancestor i + 1 levels up (< 0: none)
-        for _ in range(int(self.depth.max()) if N else 0):  # one pass per level, not one per node
-            ok = up >= 0
-            anc.scatter_(2, torch.where(ok, up, node)[..., None], True)  # without an ancestor: itself again
-            up = torch.where(ok, self.parents.gather(1, up.clamp(min=0)), up)
-        return anc
+        # reach[i, j]: j is i or i's parent; its 2^m-th boolean power reaches 2^m levels up, so
+        # ceil(log2(depth)) squarings cover the deepest node (2 products for a depth-4 tree instead of
+        # one pass of five operators per level).
+        reach = torch.zeros(B, N, N + 1, dtype=torch.bool, device=device)
+        reach.scatter_(2, (self.parents + 1).clamp(min=0)[..., None], True)  # column 0: no parent
+        reach = reach[..., 1:] | torch.eye(N, dtype=torch.bool, device=device)
+        levels = int(self.depth.max()) if N else 0
+        span = 1
+        while span < levels:
+            reach = torch.bmm(reach.float(), reach.float()) > 0
+            span *= 2
+        return reach
 
 
 def chain_draft(root: torch.Tensor, proposals: list[list[int]]) -> Draft:
@@ -67,14 +71,14 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     """Draft from the drafter's state. f0 [B, H], logits0 [B, V]: its output after the root (the
     feature f_hat at the root's position and the distribution of the next token); base [B]: the root's
     position. Chains sample from the warped q (stream 3) so that speculative sampling can use q."""
-    B = f0.shape[0]
+    B, H = f0.shape
     device = f0.device
     committed = cache.lengths.clone()
     k = 1 if strategy.kind == "chain" else strategy.topk
-    rows = torch.arange(B, device=device)
-    # Pool of proposed nodes (excluding the root), filled level by level.
-    pool_tokens, pool_parent, pool_score, pool_depth = [], [], [], []
-    q_rows = []
+    # Pool of proposed nodes (excluding the root), filled level by level: level 1 holds k nodes, every
+    # later level k * k (the k children of each of the k frontier nodes), so a node's depth follows
+    # from its pool index and pool order is depth order.
+    pool_tokens, pool_parent, pool_score, q_rows = [], [], [], []
     frontier_feat = f0[:, None]  # [B, 1, H]
     frontier_logits = logits0[:, None]  # [B, 1, V]
     frontier_index = torch.full((B, 1), -1, device=device, dtype=torch.long)  # pool index, -1 = root
@@ -84,6 +88,7 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     # next drafter call is its parents' rows of the last call's mask, then the new nodes themselves.
     frontier_seen = torch.zeros(B, 1, 0, dtype=torch.bool, device=device)
     itself = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
+    root_position = base[:, None]  # [B, 1]
     for level in range(1, strategy.depth + 1):
         F = frontier_logits.shape[1]
         if strategy.kind == "chain":
@@ -93,50 +98,49 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
             q_rows.append(lp.exp())
             child_tok = tok[:, None]  # [B, 1]
             child_score = frontier_score + lp.gather(1, tok[:, None])
-            child_from = torch.zeros(B, 1, dtype=torch.long, device=device)
         else:
             lp = frontier_logits.float().log_softmax(-1)  # [B, F, V]
             top_lp, top_tok = lp.topk(k, dim=-1)  # [B, F, k]
-            cand = (frontier_score[..., None] + top_lp).flatten(1)  # [B, F*k]
-            child_tok, child_score = top_tok.flatten(1), cand
-            child_from = torch.arange(F, device=device).repeat_interleave(k).expand(B, F * k)
+            child_score = (frontier_score[..., None] + top_lp).flatten(1)  # [B, F*k]
+            child_tok = top_tok.flatten(1)  # child j of the frontier descends from frontier node j // k
         start = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(child_tok)
-        pool_parent.append(torch.gather(frontier_index, 1, child_from))
+        pool_parent.append(frontier_index.repeat_interleave(k, 1) if F > 1 else frontier_index.expand(B, k))
         pool_score.append(child_score - 1e-6 * level)
-        pool_depth.append(torch.full_like(child_tok, level))
         if level == strategy.depth:
             break
         # The next frontier: the k best children, run through the drafter.
-        best = child_score.topk(min(k, child_score.shape[1]), dim=-1).indices  # [B, k]
-        nxt_index = start + best  # pool indices
+        frontier_score, best = child_score.topk(min(k, child_score.shape[1]), dim=-1)  # [B, k]
         nxt_tok = child_tok.gather(1, best)
-        parent = child_from.gather(1, best)  # [B, k] index in the frontier
-        parent_feat = frontier_feat[rows[:, None], parent]  # [B, k, H]
-        seen = frontier_seen.gather(1, parent[..., None].expand(-1, -1, frontier_seen.shape[2]))  # [B, k, D]
-        mask = torch.cat([seen, itself[:, : best.shape[1], : best.shape[1]]], 2)  # [B, k, D + k]
-        positions = (base + level - 1)[:, None].expand_as(nxt_tok)  # pair position = parent's position
+        if level == 1:  # children of the root: the root's feature, no draft slot seen yet
+            parent_feat = frontier_feat.expand(B, best.shape[1], H)
+            mask = itself[:, : best.shape[1], : best.shape[1]]
+        else:
+            parent = best // k  # [B, k] index in the frontier
+            parent_feat = frontier_feat.gather(1, parent[..., None].expand(-1, -1, H))  # [B, k, H]
+            seen = frontier_seen.gather(1, parent[..., None].expand(-1, -1, frontier_seen.shape[2]))  # [B, k, D]
+            mask = torch.cat([seen, itself], 2)  # [B, k, D + k]
+        positions = (root_position + (level - 1)).expand_as(nxt_tok)  # pair position = parent's position
         f_hat, logits = drafter(nxt_tok, parent_feat, positions, cache=cache, tree_mask=mask)
         frontier_feat, frontier_logits, frontier_seen = f_hat, logits, mask
-        frontier_index, frontier_score = nxt_index, child_score.gather(1, best)
+        frontier_index = start + best  # pool indices
     cache.rollback(committed)
+    depth = torch.tensor([lv + 1 for lv, t in enumerate(pool_tokens) for _ in range(t.shape[1])], device=device)
     return _select(torch.cat(pool_tokens, 1), torch.cat(pool_parent, 1), torch.cat(pool_score, 1),
-                   torch.cat(pool_depth, 1), batch.last_tokens, strategy, torch.stack(q_rows, 1) if q_rows else None)
+                   depth.expand(B, -1), batch.last_tokens, strategy, torch.stack(q_rows, 1) if q_rows else None)
 
 
 def _select(tokens, parents, scores, depth, root, strategy, q) -> Draft:
     """Keep the best verify_tokens nodes (all of a chain), ordered by depth, re-indexed with the root
-    as node 0."""
+    as node 0. The pool is in depth order (see `expand`), so sorting by pool index orders by depth."""
     B, P = tokens.shape
     device = tokens.device
     keep = P if strategy.kind == "chain" else min(strategy.verify_tokens, P)
-    chosen = scores.topk(keep, dim=-1).indices  # [B, keep]
-    order = (depth.gather(1, chosen) * P + chosen).argsort(dim=-1)  # by depth, parents first
-    chosen = chosen.gather(1, order)
-    new_index = torch.full((B, P), -2, dtype=torch.long, device=device)
-    new_index.scatter_(1, chosen, torch.arange(1, keep + 1, device=device).expand(B, keep))
-    par = parents.gather(1, chosen)  # pool parent, -1 = root
-    par = torch.where(par >= 0, new_index.gather(1, par.clamp(min=0)), torch.zeros_like(par))
+    chosen = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [B, keep] parents first
+    # Column 0 stands for the root (pool parent -1), column j + 1 for pool node j: its new index.
+    new_index = torch.zeros(B, P + 1, dtype=torch.long, device=device)
+    new_index.scatter_(1, chosen + 1, torch.arange(1, keep + 1, device=device).expand(B, keep))
+    par = new_index.gather(1, parents.gather(1, chosen) + 1)  # [B, keep] new parent index, 0 = root
     out_tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
     out_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device), par], 1)
     out_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), depth.gather(1, chosen)], 1)
