@@ -77,10 +77,11 @@ def test_model_runs_the_fused_step_without_gradients_only(tiny_model):
         fused_logits = model(ids).logits
     assert model.model.layers[0]._fused is not None
     assert torch.allclose(model(ids).logits.detach(), fused_logits, atol=1e-5)
-    assert not uses_fused_step(torch.zeros(1))
+    assert not uses_fused_step(torch.zeros(1, 1, 8))
     with torch.no_grad():
-        assert uses_fused_step(torch.zeros(1))
-        assert not uses_fused_step(torch.zeros(1, dtype=torch.bfloat16))
+        assert uses_fused_step(torch.zeros(4, 128, 8))
+        assert not uses_fused_step(torch.zeros(4, 129, 8))  # past MAX_ROWS tokens the reference layer is faster
+        assert not uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.bfloat16))
     # Half precision keeps the reference layer: the same result bit for bit with gradients on or off.
     half = tiny_model(seed=4).bfloat16()
     with torch.no_grad():
