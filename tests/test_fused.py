@@ -11,6 +11,7 @@ VARIANTS = {
     "qwen3 (q/k norm)": dict(qk_norm=True),
     "qwen2 (q/k/v bias)": dict(architecture="Qwen2ForCausalLM", qk_norm=False, qkv_bias=True),
     "llama (o and mlp bias)": dict(architecture="LlamaForCausalLM", qk_norm=False, o_bias=True, mlp_bias=True),
+    "llama (one kv head per query head)": dict(architecture="LlamaForCausalLM", qk_norm=False, num_key_value_heads=4),
 }
 
 

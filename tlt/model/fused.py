@@ -23,10 +23,11 @@ used for float32 only: half precision keeps the reference layer, whose order of 
 transformers' layers share. Training (gradients on) always runs the reference layer on the
 parameters themselves.
 
-The prepared weights are rebuilt when any parameter of the layer changes: they are keyed by each
-parameter's storage and version counter, which every in-place update bumps (optimizer steps,
-`load_state_dict`, `copy_` under `torch.no_grad()`), as does moving or casting the module or assigning
-a new parameter. A write through `param.data` bypasses the counter and is not seen (update weights in
+The prepared weights are a second copy of the stacked q/k/v and gate/up weights (about two thirds of
+a layer's), held once the model has decoded in float32. They are rebuilt when any parameter of the
+layer changes: they are keyed by each parameter's storage and version counter, which every in-place
+update bumps (optimizer steps, `load_state_dict`, `copy_` under `torch.no_grad()`), as does moving or
+casting the module or assigning a new parameter. A write through `param.data` bypasses the counter and is not seen (update weights in
 place under `torch.no_grad()` instead), nor is a submodule replaced by another.
 """
 
