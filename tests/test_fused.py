@@ -145,3 +145,19 @@ def test_fused_weights_follow_parameter_changes(tiny_model, change):
     after = no_grad_logits(model, ids)
     assert not torch.allclose(after, before, atol=1e-3)
     assert torch.allclose(after, grad_logits(model, ids), atol=1e-5)
+
+
+def test_a_deep_copy_prepares_weights_from_its_own_parameters(tiny_model):
+    """A copy made after inference (the engine's model copied for a worker, say) carries the prepared
+    weights and the tables they are keyed by; both must refer to the copy's parameters."""
+    import copy
+
+    model = tiny_model(seed=7)
+    ids = torch.randint(3, 61, (2, 9))
+    before = no_grad_logits(model, ids)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.9)
+    assert torch.allclose(no_grad_logits(twin, ids), grad_logits(twin, ids), atol=1e-5)
+    assert torch.equal(no_grad_logits(model, ids), before)
