@@ -24,7 +24,7 @@ def reference(layer, *args):
 
 def fused(layer, *args):
     with torch.no_grad():
-        return fused_layer_step(layer, layer.fused_weights(), *args)
+        return fused_layer_step(layer.fused_weights(), *args)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -117,8 +117,9 @@ def changes():
         model.load_state_dict(other, assign=True)
 
     def copy_under_no_grad(model):
+        k_proj = model.model.layers[0].self_attn.k_proj
         with torch.no_grad():
-            model.model.layers[0].self_attn.k_proj.weight.copy_(torch.randn_like(model.model.layers[0].self_attn.k_proj.weight))
+            k_proj.weight.copy_(torch.randn_like(k_proj.weight))
             model.model.layers[1].post_attention_layernorm.weight.mul_(1.5)
 
     def cast_round_trip(model):

@@ -27,8 +27,9 @@ The prepared weights are a second copy of the stacked q/k/v and gate/up weights 
 a layer's), held once the model has decoded in float32. They are rebuilt when any parameter of the
 layer changes: they are keyed by each parameter's storage and version counter, which every in-place
 update bumps (optimizer steps, `load_state_dict`, `copy_` under `torch.no_grad()`), as does moving or
-casting the module or assigning a new parameter. A write through `param.data` bypasses the counter and is not seen (update weights in
-place under `torch.no_grad()` instead), nor is a submodule replaced by another.
+casting the module or assigning a new parameter. A write through `param.data` bypasses the counter
+and is not seen (update weights in place under `torch.no_grad()` instead), nor is a submodule
+replaced by another.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.model.attention import attend
+from tlt.model.layout import laid_out
 from tlt.model.rope import apply_rope
 
 
@@ -52,13 +54,6 @@ def uses_fused_step(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and not torch.is_grad_enabled() and x.shape[0] * x.shape[1] <= MAX_ROWS
 
 
-def _column_major(w: torch.Tensor) -> torch.Tensor:
-    """The layout `column_major_linears` gives a float32 CPU weight; row-major otherwise."""
-    if w.device.type == "cpu" and w.dtype == torch.float32:
-        return w.t().contiguous().t()
-    return w.contiguous()
-
-
 def _stack_bias(*linears: nn.Linear) -> torch.Tensor | None:
     if all(m.bias is None for m in linears):
         return None
@@ -68,6 +63,12 @@ def _stack_bias(*linears: nn.Linear) -> torch.Tensor | None:
 @dataclass
 class FusedWeights:
     key: tuple  # (storage, version) of every parameter the weights were built from
+    heads: int
+    kv_heads: int
+    head_dim: int
+    input_eps: float | None  # None: the input norm is the identity (a drafter's layer)
+    qk_eps: float
+    post_eps: float
     qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden], the input norm's weight folded in
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # [H + H_kv, D]: q_norm's weight per query head, then k_norm's per kv head
@@ -86,20 +87,21 @@ class FusedWeights:
 
     @classmethod
     def build(cls, layer: nn.Module, key: tuple) -> "FusedWeights":
-        a, mlp = layer.self_attn, layer.mlp
+        a, mlp, norm_in, norm_post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        identity = isinstance(norm_in, nn.Identity)
         with torch.no_grad():
             qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            if isinstance(layer.input_layernorm, nn.Identity):
-                qkv = qkv.clone()
-            else:
-                qkv = qkv * layer.input_layernorm.weight
+            if not identity:
+                qkv = qkv * norm_in.weight
             qk_norm = None
             if a.qk_norm:
                 qk_norm = torch.cat([a.q_norm.weight.expand(a.heads, a.head_dim),
                                      a.k_norm.weight.expand(a.kv_heads, a.head_dim)])
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * layer.post_attention_layernorm.weight
-            return cls(key, _column_major(qkv), _stack_bias(a.q_proj, a.k_proj, a.v_proj), qk_norm,
-                       a.o_proj.weight.t(), a.o_proj.bias, _column_major(gate_up),
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * norm_post.weight
+            return cls(key, a.heads, a.kv_heads, a.head_dim, None if identity else norm_in.eps,
+                       a.q_norm.eps if a.qk_norm else 0.0, norm_post.eps,
+                       laid_out(qkv), _stack_bias(a.q_proj, a.k_proj, a.v_proj), qk_norm,
+                       a.o_proj.weight.t(), a.o_proj.bias, laid_out(gate_up),
                        _stack_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj.weight.t(), mlp.down_proj.bias)
 
 
@@ -114,18 +116,18 @@ def _add_product(residual: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, bia
     return out if bias is None else out.add_(bias)
 
 
-def fused_layer_step(layer: nn.Module, fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      mask: torch.Tensor | None, cache, index: int) -> torch.Tensor:
-    """`DecoderLayer.forward` (same arguments, same result up to rounding) on `fused` weights; x [B, T, hidden]."""
-    a = layer.self_attn
-    H, Hkv, D = a.heads, a.kv_heads, a.head_dim
+    """`DecoderLayer.forward` (same arguments, same result up to rounding) on the layer's `fused`
+    weights; x [B, T, hidden]."""
+    H, Hkv, D = fused.heads, fused.kv_heads, fused.head_dim
     B, T, hidden = x.shape
     x2 = x.reshape(B * T, hidden)
-    normed = x2 if isinstance(layer.input_layernorm, nn.Identity) else x2 * _rms(x2, layer.input_layernorm.eps)
+    normed = x2 if fused.input_eps is None else x2 * _rms(x2, fused.input_eps)
     qkv = F.linear(normed, fused.qkv, fused.qkv_bias).view(B, T, H + 2 * Hkv, D)
     qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]
     if fused.qk_norm is not None:
-        qk = qk * _rms(qk, a.q_norm.eps) * fused.qk_norm
+        qk = qk * _rms(qk, fused.qk_eps) * fused.qk_norm
     qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H + H_kv, T, D]
     q, k = qk[:, :H], qk[:, H:]
     v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
@@ -133,8 +135,7 @@ def fused_layer_step(layer: nn.Module, fused: FusedWeights, x: torch.Tensor, cos
         k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
     out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
     x2 = _add_product(x2, out, fused.o_t, fused.o_bias)
-    norm = layer.post_attention_layernorm
-    gate_up = F.linear(x2 * _rms(x2, norm.eps), fused.gate_up, fused.gate_up_bias)  # [B T, 2 I]
+    gate_up = F.linear(x2 * _rms(x2, fused.post_eps), fused.gate_up, fused.gate_up_bias)  # [B T, 2 I]
     inter = gate_up.shape[1] // 2
     x2 = _add_product(x2, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], fused.down_t, fused.down_bias)
     return x2.view(B, T, hidden)

@@ -32,6 +32,7 @@ from tlt.model.attention import attend
 from tlt.model.config import ModelConfig
 from tlt.model.fused import FusedWeights, fused_layer_step, uses_fused_step
 from tlt.model.kv_cache import KVCache
+from tlt.model.layout import ColumnMajorLinears, column_major_linears
 from tlt.model.rope import RopeTables, apply_rope, inverse_frequencies
 
 
@@ -108,12 +109,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
         self._fused: FusedWeights | None = None
-        self._tables: list[dict] | None = None
+        self._tables = [m._parameters for m in self.modules()]  # what the fused weights are keyed by
 
     def fused_weights(self) -> FusedWeights:
         """The weights of the fused inference step (tlt/model/fused.py), rebuilt when a parameter changed."""
-        if self._tables is None:
-            self._tables = [m._parameters for m in self.modules()]
         key = FusedWeights.key_of(self._tables)
         if self._fused is None or self._fused.key != key:
             self._fused = FusedWeights.build(self, key)
@@ -121,7 +120,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
         if uses_fused_step(x):
-            return fused_layer_step(self, self.fused_weights(), x, cos, sin, mask, cache, layer)
+            return fused_layer_step(self.fused_weights(), x, cos, sin, mask, cache, layer)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -132,38 +131,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-def column_major_linears(module: nn.Module) -> nn.Module:
-    """Lay out the weight of every `nn.Linear` in `module` for the fastest small-row products: a float32
-    weight on the CPU is stored transposed in memory (the same [out, in] tensor with strides (1, out)),
-    so `F.linear` hands MKL a plain [in, out] matrix; every other weight is row-major as usual. At 2
-    threads a [17, 192] x [192, 512] product then takes 48 us instead of 147, [9, 192] x [192, 192] 19
-    instead of 58 (the rows of a decode step or a draft's verification); at 64 rows and more the two
-    layouts cost the same. Values, shapes, names and saved files do not change; copies into the weights
-    (`load_state_dict`, weight sync) keep the layout. An LM head tied to the embedding is left alone
-    (embedding lookups read rows). Returns `module`."""
-    tied = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    with torch.no_grad():
-        for m in module.modules():
-            if not isinstance(m, nn.Linear) or id(m.weight) in tied:
-                continue
-            w = m.weight
-            if w.device.type == "cpu" and w.dtype == torch.float32:
-                if not w.t().is_contiguous():
-                    w.data = w.data.t().contiguous().t()
-            elif not w.is_contiguous():
-                w.data = w.data.contiguous()
-    return module
-
-
-class ColumnMajorLinears:
-    """Mixin for modules holding linear layers: the weight layout of `column_major_linears` is chosen
-    again after every move or cast (`.to`, `.float()`, `.bfloat16()`, `.to_empty`)."""
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        return column_major_linears(self)
 
 
 def training_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, T: int, device):
@@ -198,7 +165,7 @@ def cached_mask(lengths: torch.Tensor, tree: torch.Tensor, valid: torch.Tensor, 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The boolean mask as the additive float mask attention uses, built once per forward rather
     than converted again in every layer."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+    return torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
 
 
 def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -225,7 +192,7 @@ def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, a
         allowed = allowed & keys[:, None, :]
     allowed = allowed.clone()
     allowed.diagonal(D, -2, -1).fill_(True)  # every token sees itself
-    tail = torch.where(allowed, 0.0, float("-inf")).to(dtype).expand(B, T, D + T)  # [B, T, D + T]
+    tail = additive(allowed, dtype).expand(B, T, D + T)  # [B, T, D + T]
     return torch.cat([torch.zeros(B, T, hi - D, dtype=dtype, device=device), tail], 2)[:, None]
 
 

@@ -90,7 +90,6 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     itself = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
     root_position = base[:, None]  # [B, 1]
     for level in range(1, strategy.depth + 1):
-        F = frontier_logits.shape[1]
         if strategy.kind == "chain":
             lp = warp_logprobs(frontier_logits[:, 0], batch.temperature, batch.top_k, batch.top_p)  # [B, V]
             u = rng.uniform(batch.keys, batch.counters + level, stream=3)
@@ -105,21 +104,17 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
             child_tok = top_tok.flatten(1)  # child j of the frontier descends from frontier node j // k
         start = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(child_tok)
-        pool_parent.append(frontier_index.repeat_interleave(k, 1) if F > 1 else frontier_index.expand(B, k))
+        pool_parent.append(frontier_index.repeat_interleave(k, 1))
         pool_score.append(child_score - 1e-6 * level)
         if level == strategy.depth:
             break
         # The next frontier: the k best children, run through the drafter.
-        frontier_score, best = child_score.topk(min(k, child_score.shape[1]), dim=-1)  # [B, k]
+        frontier_score, best = child_score.topk(k, dim=-1)  # [B, k] (a level has F * k >= k children)
         nxt_tok = child_tok.gather(1, best)
-        if level == 1:  # children of the root: the root's feature, no draft slot seen yet
-            parent_feat = frontier_feat.expand(B, best.shape[1], H)
-            mask = itself[:, : best.shape[1], : best.shape[1]]
-        else:
-            parent = best // k  # [B, k] index in the frontier
-            parent_feat = frontier_feat.gather(1, parent[..., None].expand(-1, -1, H))  # [B, k, H]
-            seen = frontier_seen.gather(1, parent[..., None].expand(-1, -1, frontier_seen.shape[2]))  # [B, k, D]
-            mask = torch.cat([seen, itself], 2)  # [B, k, D + k]
+        parent = best // k  # [B, k] index in the frontier
+        parent_feat = frontier_feat.gather(1, parent[..., None].expand(-1, -1, H))  # [B, k, H]
+        seen = frontier_seen.gather(1, parent[..., None].expand(-1, -1, frontier_seen.shape[2]))  # [B, k, D]
+        mask = torch.cat([seen, itself], 2)  # [B, k, D + k]
         positions = (root_position + (level - 1)).expand_as(nxt_tok)  # pair position = parent's position
         f_hat, logits = drafter(nxt_tok, parent_feat, positions, cache=cache, tree_mask=mask)
         frontier_feat, frontier_logits, frontier_seen = f_hat, logits, mask
