@@ -48,12 +48,13 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
     out = tmp_path / "rollout.json"
     code = main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
                  "--prompts", "2", "--samples", "3", "--max-tokens", "12", "--repeats", "1", "--skip-hf",
-                 "--strategies", "tree-d2-k2-v3", "--adaptive", "--json", str(out),
-                 "--plot", str(tmp_path / "live.png")])
+                 "--strategies", "tree-d2-k2-v3", "--adaptive", "--adaptive-arms", "off,tree-d2-k2-v3",
+                 "--json", str(out), "--plot", str(tmp_path / "live.png")])
     assert code == 0
     record = json.loads(out.read_text())
     labels = [Tuner(TunerConfig()).label(i) for i in range(len(TunerConfig().buckets) + 1)]
-    for name in ("tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive"):
+    narrow = "tlt_adaptive:off+tree-d2-k2-v3"
+    for name in ("tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive", narrow):
         row = record["rows"][name]
         assert list(row["bucket_seconds"]) == list(row["bucket_tokens_per_s"]) == labels
         assert 0 < sum(row["bucket_seconds"].values()) <= row["wall_s"]
@@ -61,5 +62,29 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
     ratios = record["ratios"]
     assert ratios["bucket_bound_vs_off"] >= 1.0  # tlt_off is one of the fixed systems
     assert len(ratios["best_by_bucket"]) == 1  # one repeat
+    # The adaptive systems are neither fixed systems nor part of the bound.
     assert set(ratios["best_by_bucket"][0].values()) <= {"tlt_off", "tlt_tree-d2-k2-v3"}
+    assert ratios["best_fixed"] in ("tlt_off", "tlt_tree-d2-k2-v3")
     assert ratios["same_samples"] is True  # tree verification draws plain sampling's tokens
+    # The narrowed tuner ran over its two arms only; both adaptive systems have their ratios.
+    chosen = {a for b in record["rows"][narrow]["tuner"]["buckets"] for a, n in b["choices"].items() if n}
+    assert chosen and chosen <= {"off", "tree-d2-k2-v3"}
+    assert set(record["rows"][narrow]["tuner"]["buckets"][0]["choices"]) == {"off", "tree-d2-k2-v3"}
+    assert "paired_vs_off" not in record["rows"]["tlt_off"]
+    for key in ("adaptive", "adaptive:off+tree-d2-k2-v3"):
+        assert record["rows"][f"tlt_{key}"]["paired_vs_off"] == pytest.approx(  # one repeat: the plain ratio
+            record["rows"]["tlt_off"]["wall_s"] / record["rows"][f"tlt_{key}"]["wall_s"])
+        wall = record["rows"][f"tlt_{key}"]["wall_s"]
+        assert ratios[f"{key}_vs_off"] == pytest.approx(record["rows"]["tlt_off"]["wall_s"] / wall)
+        assert ratios[f"{key}_vs_best_fixed"] == pytest.approx(record["rows"][ratios["best_fixed"]]["wall_s"] / wall)
+
+
+def test_adaptive_arms_are_checked_before_anything_runs():
+    from tlt.bench.rollout import adaptive_arms
+    from tlt.errors import ConfigError
+
+    assert adaptive_arms("off, ngram-d4,tree-d4-k2-v8") == ("off", "ngram-d4", "tree-d4-k2-v8")
+    with pytest.raises(ConfigError, match=r"--adaptive-arms 'ngram-d4'.*must include 'off'"):
+        adaptive_arms("ngram-d4")
+    with pytest.raises(ConfigError, match=r"--adaptive-arms 'off,tree-x'"):
+        adaptive_arms("off,tree-x")

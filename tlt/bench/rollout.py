@@ -2,16 +2,20 @@
 
 The workload is one GRPO rollout of the default model on the built-in task: P prompts x G samples at
 temperature 1.0, each response running until its end-of-sequence token. Every system generates for the
-same prompts with the same sampling settings; runs alternate between systems so machine noise hits all
-of them, and each figure is the median of `--repeats` runs. Ratios are baseline time / system time
-(> 1 means faster than the baseline). A PNG shows the live batch size over time: transformers keeps
+same prompts with the same sampling settings; runs alternate between systems, in an order that rotates
+every repeat, so machine noise hits all of them, and each figure is the median of `--repeats` runs.
+Ratios are baseline time / system time (> 1 means faster than the baseline), of the medians; each
+system's `paired_vs_off` is the median over repeats of the ratio within a repeat, steadier when the
+machine's speed drifts between repeats. A PNG shows the live batch size over time: transformers keeps
 finished rows in its batch to the end, tlt's batch shrinks as responses finish.
 
 Systems: `tlt_off` (plain decoding), `hf` (transformers' generate), each `--strategies` entry run at
 every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose tuner state is carried
 from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first).
 `adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
-shows which strategy the adaptive engine ran at each live batch size.
+shows which strategy the adaptive engine ran at each live batch size. Each `--adaptive-arms A,B,...`
+adds an adaptive engine whose tuner competes over those arms only (`tlt_adaptive:A+B+...`), to choose
+a workload's arm set by measurement: its ratios are `adaptive:A+B+..._vs_off` and `_vs_best_fixed`.
 
 Where the time goes: each tlt system's decode steps are split by live batch size into the tuner's
 buckets: `bucket_seconds` and `bucket_tokens_per_s` (tokens emitted per second of those steps), medians
@@ -50,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default="",
                         help="fixed speculative strategies to run too, e.g. tree-d6-k4-v24,chain-d4,ngram-d4")
     parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
+    parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
+                        help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
     parser.add_argument("--json", help="write config, rows and ratios here")
     parser.add_argument("--plot", default="runs/bench/rollout_live_batch.png")
 
@@ -82,6 +88,35 @@ def run_tlt(model, prompts, args, repeat: int, config=None, tuner_state=None) ->
             "strategies": stats["strategies"], "acceptance_length": stats["acceptance_length"],
             "tuner_state": engine.tuner.state_dict() if engine.tuner is not None else None,
             "tuner": stats.get("tuner")}
+
+
+ADAPTIVE = "tlt_adaptive"
+
+
+def adaptive_arms(text: str) -> tuple[str, ...]:
+    """The arms of one `--adaptive-arms` value, checked as the tuner checks them."""
+    from tlt.adaptive.tuner import TunerConfig
+    from tlt.errors import ConfigError
+
+    arms = tuple(a.strip() for a in text.split(",") if a.strip())
+    try:
+        TunerConfig(arms=arms)
+    except ConfigError as exc:
+        raise ConfigError(f"--adaptive-arms {text!r}: {exc}") from None
+    return arms
+
+
+def carried_tuner(run_one):
+    """A system running `run_one(repeat, tuner_state)` whose tuner state is carried from one rollout to
+    the next, as it is across RL steps."""
+    carried = {}
+
+    def system(r):
+        result = run_one(r, carried.get("state"))
+        carried["state"] = result["tuner_state"]
+        return result
+
+    return system
 
 
 def run_hf(hf_model, prompts, args, eos_id: int, pad_id: int, repeat: int) -> dict:
@@ -176,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.plots import live_batch, strategy_by_batch
     from tlt.tokenizer import load_tokenizer
 
+    arm_sets = [adaptive_arms(text) for text in args.adaptive_arms]  # refused before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = resolve_model_path(args.model)
@@ -183,26 +219,22 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device, "--device")
     model, tokenizer = load_model(folder, device=device), load_tokenizer(folder)
+    from tlt.adaptive.tuner import Tuner, TunerConfig
     from tlt.rollout import EngineConfig
     from tlt.speculative import Drafter
 
     prompts = workload(args, tokenizer)
     systems = {"tlt_off": lambda r: run_tlt(model, prompts, args, r)}
     strategies = [x for x in args.strategies.split(",") if x]
-    drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive else None
+    drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive or arm_sets else None
     for name in strategies:
         config = EngineConfig(speculative="on", strategy=name, drafter=drafter)
         systems[f"tlt_{name}"] = lambda r, config=config: run_tlt(model, prompts, args, r, config)
-    if args.adaptive:
-        carried = {}
-
-        def adaptive(r):
-            result = run_tlt(model, prompts, args, r, EngineConfig(speculative="adaptive", drafter=drafter),
-                             carried.get("state"))
-            carried["state"] = result["tuner_state"]
-            return result
-
-        systems["tlt_adaptive"] = adaptive
+    for arms in ([None] if args.adaptive else []) + arm_sets:
+        name = ADAPTIVE if arms is None else f"{ADAPTIVE}:{'+'.join(arms)}"
+        config = EngineConfig(speculative="adaptive", drafter=drafter,
+                              tuner=None if arms is None else TunerConfig(arms=arms))
+        systems[name] = carried_tuner(lambda r, state, config=config: run_tlt(model, prompts, args, r, config, state))
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -214,13 +246,16 @@ def run(args: argparse.Namespace) -> int:
         for name, fn in systems.items():  # warm-up, not timed
             fn(-1)
         results = {name: [] for name in systems}
+        names = list(systems)
         for r in range(args.repeats):
-            for name, fn in systems.items():
-                results[name].append(fn(r))
+            for name in names[r % len(names):] + names[: r % len(names)]:  # the order rotates every repeat
+                results[name].append(systems[name](r))
                 print(f"  run {r + 1}: {name:8s} {results[name][-1]['wall_s']:7.2f}s", file=sys.stderr)
     rows = {name: summarize(runs) for name, runs in results.items()}
-    from tlt.adaptive.tuner import Tuner, TunerConfig
-
+    for name, runs in results.items():
+        if name != "tlt_off":  # paired: the median over repeats of tlt_off's wall / this system's
+            rows[name]["paired_vs_off"] = statistics.median(
+                off["wall_s"] / run["wall_s"] for off, run in zip(results["tlt_off"], runs, strict=True))
     tuner = Tuner(TunerConfig())
     split = {name: [bucket_split(r["step_s"], r["step_tokens"], r["batch_sizes"], tuner) for r in runs]
              for name, runs in results.items() if name.startswith("tlt_")}  # per repeat
@@ -229,15 +264,15 @@ def run(args: argparse.Namespace) -> int:
     ratios = {}
     if "hf" in rows:
         ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
-    fixed = {name: row for name, row in rows.items() if name.startswith("tlt_") and name != "tlt_adaptive"}
+    fixed = {name: row for name, row in rows.items() if name.startswith("tlt_") and not name.startswith(ADAPTIVE)}
     best = min(fixed, key=lambda name: fixed[name]["wall_s"])
     ratios["best_fixed"] = best
-    if "tlt_adaptive" in rows:
-        adaptive = rows["tlt_adaptive"]["wall_s"]
-        ratios["adaptive_vs_off"] = rows["tlt_off"]["wall_s"] / adaptive
-        ratios["adaptive_vs_best_fixed"] = fixed[best]["wall_s"] / adaptive
+    for name in (name for name in rows if name.startswith(ADAPTIVE)):
+        adaptive, key = rows[name]["wall_s"], name.removeprefix("tlt_")
+        ratios[f"{key}_vs_off"] = rows["tlt_off"]["wall_s"] / adaptive
+        ratios[f"{key}_vs_best_fixed"] = fixed[best]["wall_s"] / adaptive
         if "hf" in rows:
-            ratios["adaptive_vs_hf"] = rows["hf"]["wall_s"] / adaptive
+            ratios[f"{key}_vs_hf"] = rows["hf"]["wall_s"] / adaptive
     for name in fixed:
         if name != "tlt_off":
             ratios[f"{name.removeprefix('tlt_')}_vs_off"] = rows["tlt_off"]["wall_s"] / fixed[name]["wall_s"]
@@ -247,10 +282,11 @@ def run(args: argparse.Namespace) -> int:
     tlt_runs = [runs for name, runs in results.items() if name.startswith("tlt_")]
     ratios["same_samples"] = all(r["samples"] == runs[0]["samples"] for runs in zip(*tlt_runs) for r in runs)
     width = max(map(len, rows))
-    print(f"{'system':{width}s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s} {'accept':>7s}")
+    print(f"{'system':{width}s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s} {'accept':>7s} {'paired':>7s}")
     for name, row in rows.items():
         accept = f"{row['acceptance_length']:7.2f}" if "acceptance_length" in row else f"{'-':>7s}"
-        print(f"{name:{width}s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f} {accept}")
+        paired = f"{row['paired_vs_off']:7.2f}" if "paired_vs_off" in row else f"{'-':>7s}"
+        print(f"{name:{width}s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f} {accept} {paired}")
     labels = list(rows["tlt_off"]["bucket_seconds"])
     print("step seconds / tokens per second by live batch size (medians)")
     print(f"{'system':{width}s} " + " ".join(f"{x:>13s}" for x in labels))
@@ -266,11 +302,13 @@ def run(args: argparse.Namespace) -> int:
     last = {name: (_cumulative(runs[-1]["step_s"]), runs[-1]["batch_sizes"]) for name, runs in results.items()}
     png = live_batch(last, args.plot, f"{args.prompts} prompts x {args.samples} samples, default model")
     print(f"wrote {png}")
-    if "tlt_adaptive" in results:
-        run = results["tlt_adaptive"][-1]
+    adaptive = [name for name in results if name.startswith(ADAPTIVE)]
+    for name in adaptive:
+        rows[name]["tuner"] = results[name][-1]["tuner"]
+    if adaptive:  # the first adaptive system's strategies
+        run = results[adaptive[0]][-1]
         png = strategy_by_batch(run["batch_sizes"], run["strategies"], Path(args.plot).with_name("rollout_strategy.png"))
         print(f"wrote {png}")
-        rows["tlt_adaptive"]["tuner"] = run["tuner"]
     if args.json:
         atomic_write_json(Path(args.json), {
             "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},

@@ -1,0 +1,106 @@
+"""Where decoding time goes: the default model's batch-1 decode loop under a sampling profiler.
+
+    pip install py-spy
+    python scripts/profile_decode.py --strategy tree-d4-k2-v8 --prompts 16
+
+runs the built-in task's eval prompts one after another (temperature 1.0, the `tlt bench speculative`
+workload at batch 1) under `py-spy record` and prints, as shares of the decode steps' samples: the
+time inside decoder layers (target and drafter), each line of the fused layer step (its products and
+attention), and the innermost tlt line of every sample outside the layers (the Python and small
+operators of drafting, verification and bookkeeping). `--raw PATH` keeps py-spy's collapsed stacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def workload(strategy: str, prompts: int, threads: int) -> None:
+    import torch
+
+    from tlt.model import load_model
+    from tlt.model.checkpoint import resolve_model_path
+    from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from tlt.speculative import Drafter
+    from tlt.tasks import ArithmeticTask
+    from tlt.tokenizer import load_tokenizer
+
+    torch.set_num_threads(threads)
+    folder = resolve_model_path("default")
+    model, tokenizer = load_model(folder), load_tokenizer(folder)
+    if strategy == "off":
+        config = EngineConfig(progress=False)
+    else:
+        config = EngineConfig(progress=False, speculative="on", strategy=strategy, drafter=Drafter.load("default", model))
+    engine = RolloutEngine(model, config=config)
+    ids = [tokenizer.encode(p.prompt) for p in ArithmeticTask().sample(prompts, seed=0, split="eval")]
+    with torch.inference_mode():
+        for i, p in enumerate(ids):
+            engine.generate([p], [SamplingParams(temperature=1.0, max_tokens=640, seed=i)], use_tqdm=False)
+
+
+def frame(text: str) -> str:
+    """'function (path/tlt/x.py:12)' with the path cut to what follows the package folder."""
+    return re.sub(r"\(.*?/(tlt|torch)/", r"(\1/", text)
+
+
+def summarize(raw: Path, top: int) -> None:
+    total = in_layers = 0
+    fused_lines, outside = collections.Counter(), collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        if not any("RolloutEngine.step" in f for f in frames):
+            continue  # start-up and model loading
+        total += n
+        if any("DecoderLayer.forward" in f for f in frames):
+            in_layers += n
+            for f in {f for f in frames if "fused_layer_step" in f}:
+                fused_lines[frame(f)] += n
+            continue
+        ours = [f for f in frames if "/tlt/" in f]
+        outside[frame(ours[-1] if ours else frames[-1])] += n
+    if not total:
+        sys.exit("no samples inside RolloutEngine.step: was the workload profiled?")
+    print(f"{total} samples in decode steps; {100 * in_layers / total:.1f}% inside decoder layers")
+    print("fused layer step, by line (share of all decode samples):")
+    for name, n in sorted(fused_lines.items(), key=lambda kv: int(kv[0].rsplit(":", 1)[1].rstrip(")"))):
+        print(f"  {100 * n / total:5.1f}%  {name}")
+    print(f"outside the layers, innermost tlt line (top {top}):")
+    for name, n in outside.most_common(top):
+        print(f"  {100 * n / total:5.1f}%  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strategy", default="tree-d4-k2-v8", help="'off' or a strategy name")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rate", type=int, default=500, help="samples per second")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--raw", help="keep py-spy's collapsed stacks here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        workload(args.strategy, args.prompts, args.threads)
+        return
+    spy = shutil.which("py-spy")
+    if spy is None:
+        sys.exit("py-spy is not installed: pip install py-spy")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(args.raw) if args.raw else Path(tmp) / "stacks.txt"
+        child = [sys.executable, __file__, "--child", "--strategy", args.strategy, "--prompts", str(args.prompts),
+                 "--threads", str(args.threads)]
+        subprocess.run([spy, "record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--", *child], check=True)
+        summarize(raw, args.top)
+
+
+if __name__ == "__main__":
+    main()
