@@ -46,9 +46,26 @@ def workload(strategy: str, prompts: int, threads: int) -> None:
             engine.generate([p], [SamplingParams(temperature=1.0, max_tokens=640, seed=i)], use_tqdm=False)
 
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: tlt/... paths resolve against it
+
+
 def frame(text: str) -> str:
-    """'function (path/tlt/x.py:12)' with the path cut to what follows the package folder."""
-    return re.sub(r"\(.*?/(tlt|torch)/", r"(\1/", text)
+    """'function (tlt/x.py:12)': py-spy's frame with the path cut to what follows the package folder."""
+    return re.sub(r"\((?:[^()]*/)?(tlt|torch)/", r"(\1/", text)
+
+
+def ours(text: str) -> bool:
+    return frame(text).rpartition("(")[2].startswith("tlt/")
+
+
+def source(text: str) -> str:
+    """The source line a tlt frame points at (empty when it cannot be read)."""
+    where = frame(text).rpartition("(")[2].rstrip(")")
+    path, _, line = where.rpartition(":")
+    try:
+        return (ROOT / path).read_text().splitlines()[int(line) - 1].strip()[:72]
+    except (OSError, ValueError, IndexError):
+        return ""
 
 
 def summarize(raw: Path, top: int) -> None:
@@ -65,17 +82,18 @@ def summarize(raw: Path, top: int) -> None:
             for f in {f for f in frames if "fused_layer_step" in f}:
                 fused_lines[frame(f)] += n
             continue
-        ours = [f for f in frames if "/tlt/" in f]
-        outside[frame(ours[-1] if ours else frames[-1])] += n
+        mine = [f for f in frames if ours(f)]
+        outside[frame(mine[-1] if mine else frames[-1])] += n
     if not total:
         sys.exit("no samples inside RolloutEngine.step: was the workload profiled?")
     print(f"{total} samples in decode steps; {100 * in_layers / total:.1f}% inside decoder layers")
     print("fused layer step, by line (share of all decode samples):")
     for name, n in sorted(fused_lines.items(), key=lambda kv: int(kv[0].rsplit(":", 1)[1].rstrip(")"))):
-        print(f"  {100 * n / total:5.1f}%  {name}")
+        if n >= total / 1000:
+            print(f"  {100 * n / total:5.1f}%  {name}  {source(name)}")
     print(f"outside the layers, innermost tlt line (top {top}):")
     for name, n in outside.most_common(top):
-        print(f"  {100 * n / total:5.1f}%  {name}")
+        print(f"  {100 * n / total:5.1f}%  {name}  {source(name) if ours(name) else ''}".rstrip())
 
 
 def main() -> None:
@@ -91,7 +109,7 @@ def main() -> None:
     if args.child:
         workload(args.strategy, args.prompts, args.threads)
         return
-    spy = shutil.which("py-spy")
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))  # or the venv's
     if spy is None:
         sys.exit("py-spy is not installed: pip install py-spy")
     with tempfile.TemporaryDirectory() as tmp:
