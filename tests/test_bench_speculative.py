@@ -58,15 +58,25 @@ def test_measure_runs_every_strategy_and_fills_the_record(tiny_folders, tmp_path
         assert {"batch", "strategy", "acceptance_length", "tokens_per_s", "speedup_vs_off", "wall_s", "tokens"} <= set(row)
         assert row["tokens"] > 0 and row["wall_s"] > 0 and row["tokens_per_s"] > 0 and row["speedup_vs_off"] > 0
         if row["strategy"] == "off":
-            assert row["acceptance_length"] is None and row["speedup_vs_off"] == 1.0
+            assert row["acceptance_length"] is None and row["speedup_vs_off"] == row["paired_vs_off"] == 1.0
         else:
             assert row["acceptance_length"] >= 1
+            # One repeat: the paired ratio is the ratio of the medians.
+            assert row["paired_vs_off"] == pytest.approx(row["speedup_vs_off"])
     ratios = record["ratios"]
     assert set(ratios["speedup_vs_off"]) == {"tree-d3-k2-v4", "ngram-d3"}
     assert set(ratios["best_by_batch"]) == {"1", "2"}
     assert ratios["best_by_batch"]["1"]["strategy"] in STRATEGIES
     assert ratios["tree_strategy"] == "tree-d3-k2-v4" and ratios["tree_vs_off_batch1"] > 0
     assert "vs off" in speculative.format_table(record["rows"])
+
+
+def test_paired_ratio_is_the_median_of_within_repeat_ratios():
+    off = [{"tokens": 100, "wall_s": 1.0}, {"tokens": 100, "wall_s": 2.0}, {"tokens": 100, "wall_s": 1.0}]
+    tree = [{"tokens": 100, "wall_s": 0.5}, {"tokens": 100, "wall_s": 1.6}, {"tokens": 100, "wall_s": 0.8}]
+    assert speculative.paired(tree, off) == pytest.approx(1.25)  # ratios 2.0, 1.25, 1.25
+    assert speculative.paired(tree[:2], off) is None  # a system that failed in a repeat has no pairs
+    assert speculative.paired(None, off) is None
 
 
 def test_options_parse_lists():

@@ -7,8 +7,9 @@ prompts keeps a small batch's figure from resting on one short response. For eac
 the same per-request seeds, each run in a fresh engine; within a repeat the strategies alternate, and
 the order rotates every repeat, so machine noise hits all of them. Each figure is the median of
 `--repeats` runs (one short untimed warm-up per system first). speedup_vs_off is a strategy's median
-tokens/s over that of `off` at the same batch size (> 1: faster). acceptance_length is tokens per row
-per speculative step (accepted drafts + 1).
+tokens/s over that of `off` at the same batch size (> 1: faster); paired_vs_off is the median over
+repeats of that ratio within a repeat, steadier when the machine's speed drifts between repeats.
+acceptance_length is tokens per row per speculative step (accepted drafts + 1).
 
 At batch 1 transformers runs too: plain `generate` ("hf") and assisted generation with sampling
 ("hf-assisted-2layer", speculative sampling against a draft model). The default model has no smaller
@@ -257,8 +258,17 @@ def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]
             row["assistant"] = ASSISTANT
         base = off.get(row["batch"])
         row["speedup_vs_off"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
+        row["paired_vs_off"] = paired(results.get((row["batch"], row["strategy"])), results.get((row["batch"], "off")))
     rows.sort(key=lambda r: r["batch"])
     return rows
+
+
+def paired(runs: list[dict] | None, off: list[dict] | None) -> float | None:
+    """The median over repeats of a system's tokens/s over plain decoding's in the same repeat; None
+    without a run in every repeat (a failed system)."""
+    if not runs or not off or len(runs) != len(off):
+        return None
+    return statistics.median((r["tokens"] / r["wall_s"]) / (o["tokens"] / o["wall_s"]) for r, o in zip(runs, off))
 
 
 def make_ratios(rows: list[dict], strategies: list[str]) -> dict[str, Any]:
@@ -292,7 +302,8 @@ def format_table(rows: list[dict]) -> str:
     def num(x, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    header = f"{'batch':>5}  {'strategy':20s}  {'tokens':>7}  {'wall s':>8}  {'tok/s':>9}  {'accept':>6}  {'vs off':>6}"
+    header = (f"{'batch':>5}  {'strategy':20s}  {'tokens':>7}  {'wall s':>8}  {'tok/s':>9}  {'accept':>6}  {'vs off':>6}"
+              f"  {'paired':>6}")
     lines = [header, "-" * len(header)]
     for r in rows:
         if "error" in r:
@@ -300,7 +311,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         lines.append(f"{r['batch']:>5}  {r['strategy']:20s}  {r['tokens']:>7.0f}  {r['wall_s']:>8.2f}  "
                      f"{r['tokens_per_s']:>9.1f}  {num(r['acceptance_length'], '6.2f'):>6}  "
-                     f"{num(r['speedup_vs_off'], '6.2f'):>6}")
+                     f"{num(r['speedup_vs_off'], '6.2f'):>6}  {num(r.get('paired_vs_off'), '6.2f'):>6}")
     return "\n".join(lines)
 
 
@@ -315,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
                      args.repeats, args.seed, args.skip_hf, args.prompts, args.device)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
-          "vs off: tokens/s over plain decoding's at the same batch size")
+          "vs off: tokens/s over plain decoding's at the same batch size; paired: the median over repeats of "
+          "that ratio within a repeat")
     for k, v in record["ratios"].items():
         if isinstance(v, float):
             print(f"{k} = {v:.2f}")
