@@ -1,10 +1,13 @@
-"""Where decoding time goes: the default model's batch-1 decode loop under a sampling profiler.
+"""Where decoding time goes: the default model's decode loop under a sampling profiler.
 
     pip install py-spy
     python scripts/profile_decode.py --strategy tree-d4-k2-v8 --prompts 16
+    python scripts/profile_decode.py --strategy adaptive --prompts 16 --batch 16 --samples 8
 
-runs the built-in task's eval prompts one after another (temperature 1.0, the `tlt bench speculative`
-workload at batch 1) under `py-spy record` and prints, as shares of the decode steps' samples: the
+runs the built-in task's eval prompts (temperature 1.0) under `py-spy record`: by default one after
+another (the `tlt bench speculative` workload at batch 1); with `--batch B --samples G`, B prompts per
+`generate` call with G samples each (16 x 8 is the `tlt bench rollout` workload). `--strategy` is
+`off`, `adaptive` or a strategy name. It prints, as shares of the decode steps' samples: the
 time inside decoder layers (target and drafter), each line of the fused layer step (its products and
 attention), and the innermost tlt line of every sample outside the layers (the Python and small
 operators of drafting, verification and bookkeeping). `--raw PATH` keeps py-spy's collapsed stacks.
@@ -22,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 
-def workload(strategy: str, prompts: int, threads: int) -> None:
+def workload(strategy: str, prompts: int, threads: int, batch: int, samples: int) -> None:
     import torch
 
     from tlt.model import load_model
@@ -38,12 +41,16 @@ def workload(strategy: str, prompts: int, threads: int) -> None:
     if strategy == "off":
         config = EngineConfig(progress=False)
     else:
-        config = EngineConfig(progress=False, speculative="on", strategy=strategy, drafter=Drafter.load("default", model))
+        drafter = Drafter.load("default", model)
+        config = (EngineConfig(progress=False, speculative="adaptive", drafter=drafter) if strategy == "adaptive"
+                  else EngineConfig(progress=False, speculative="on", strategy=strategy, drafter=drafter))
     engine = RolloutEngine(model, config=config)
     ids = [tokenizer.encode(p.prompt) for p in ArithmeticTask().sample(prompts, seed=0, split="eval")]
     with torch.inference_mode():
-        for i, p in enumerate(ids):
-            engine.generate([p], [SamplingParams(temperature=1.0, max_tokens=640, seed=i)], use_tqdm=False)
+        for start in range(0, len(ids), batch):
+            chunk = ids[start : start + batch]
+            params = [SamplingParams(n=samples, temperature=1.0, max_tokens=640, seed=start + i) for i in range(len(chunk))]
+            engine.generate(chunk, params, use_tqdm=False)
 
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: tlt/... paths resolve against it
@@ -98,8 +105,10 @@ def summarize(raw: Path, top: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategy", default="tree-d4-k2-v8", help="'off' or a strategy name")
+    parser.add_argument("--strategy", default="tree-d4-k2-v8", help="'off', 'adaptive' or a strategy name")
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
+    parser.add_argument("--samples", type=int, default=1, help="samples per prompt")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rate", type=int, default=500, help="samples per second")
     parser.add_argument("--top", type=int, default=25)
@@ -107,7 +116,7 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        workload(args.strategy, args.prompts, args.threads)
+        workload(args.strategy, args.prompts, args.threads, args.batch, args.samples)
         return
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))  # or the venv's
     if spy is None:
@@ -115,7 +124,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(args.raw) if args.raw else Path(tmp) / "stacks.txt"
         child = [sys.executable, __file__, "--child", "--strategy", args.strategy, "--prompts", str(args.prompts),
-                 "--threads", str(args.threads)]
+                 "--threads", str(args.threads), "--batch", str(args.batch), "--samples", str(args.samples)]
         subprocess.run([spy, "record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--", *child], check=True)
         summarize(raw, args.top)
 

@@ -198,6 +198,42 @@ def test_fork_select_concat_equal_separate_prefills(tiny_model):
     assert cache.nbytes() > 0
 
 
+def test_writes_to_rows_of_different_lengths_land_in_their_slots():
+    """`KVCache.write` on rows of different lengths against writing each row's slots one by one: across
+    layers, a capacity growth, dropped rows, and lengths handed back edited in place."""
+    torch.manual_seed(0)
+    L, H, D = 3, 2, 4
+    cache = KVCache(L, 3, H, D, block=8)
+    ref = torch.zeros(2 * L, 3, H, 64, D)  # the expected store, written slot by slot
+
+    def write(T, in_place=False):
+        lengths = cache.lengths.tolist()
+        for layer in range(L):
+            k, v = torch.randn(cache.batch_size, H, T, D), torch.randn(cache.batch_size, H, T, D)
+            keys, values = cache.write(layer, k, v)
+            for b, n in enumerate(lengths):
+                ref[layer, b, :, n : n + T] = k[b]
+                ref[L + layer, b, :, n : n + T] = v[b]
+            assert keys.shape[2] == values.shape[2] == max(lengths) + T
+        if in_place:
+            cache.lengths += T  # the lengths tensor `write` indexed from, edited in place and set back
+        else:
+            cache.advance(T)
+        for b, n in enumerate(cache.lengths.tolist()):
+            assert torch.equal(cache.store[:, b, :, :n], ref[:, b, :, :n])
+
+    cache.lengths = torch.tensor([2, 5, 3])
+    write(1)
+    write(3)
+    write(6)  # 5 + 1 + 3 + 6 = 15 > the first block: the store grows
+    assert cache.capacity == 16
+    cache.select_rows([2, 0])
+    ref = ref[:, [2, 0]]
+    write(1, in_place=True)
+    write(1)
+    assert cache.capacity == 16
+
+
 def test_cache_memory_follows_live_tokens(tiny_model):
     model = tiny_model()
     cache = model.new_cache(4, block=16)
