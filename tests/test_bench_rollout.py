@@ -60,7 +60,9 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
         assert 0 < sum(row["bucket_seconds"].values()) <= row["wall_s"]
         assert any(rate is not None and rate > 0 for rate in row["bucket_tokens_per_s"].values())
     ratios = record["ratios"]
-    assert ratios["bucket_bound_vs_off"] >= 1.0  # tlt_off is one of the fixed systems
+    # tlt_off is one of the fixed systems, so the bound is at least 1 (up to the rounding of seconds
+    # / (tokens / (tokens / seconds)): it came out 0.9999999999999999 once).
+    assert ratios["bucket_bound_vs_off"] >= 1.0 - 1e-9
     assert len(ratios["best_by_bucket"]) == 1  # one repeat
     # The adaptive systems are neither fixed systems nor part of the bound.
     assert set(ratios["best_by_bucket"][0].values()) <= {"tlt_off", "tlt_tree-d2-k2-v3"}
