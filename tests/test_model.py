@@ -275,7 +275,7 @@ def test_cpu_float32_linears_are_column_major_and_keep_values(tiny_model, tmp_pa
     """fp32 CPU weights are stored transposed in memory (for MKL's small-row products), every other
     dtype row-major; a cast or move chooses again, loading keeps the layout, files and outputs are the
     same as with row-major weights."""
-    from tlt.model.transformer import column_major_linears
+    from tlt.model.layout import column_major_linears
 
     model = tiny_model(seed=4)
     q = model.model.layers[0].self_attn.q_proj.weight

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import statistics
+from typing import Callable, Sequence
 
 BENCHES = {
     "forward": "tlt.bench.forward",
@@ -26,3 +28,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return importlib.import_module(args._bench).run(args)
+
+
+def rotation(names: Sequence, repeat: int) -> list:
+    """The order in which repeat `repeat` runs the systems `names`: rotated by one each repeat, so no
+    system always runs first or last while the machine's speed drifts."""
+    k = repeat % len(names) if names else 0
+    return list(names[k:]) + list(names[:k])
+
+
+def tokens_per_s(run: dict) -> float:
+    return run["tokens"] / run["wall_s"]
+
+
+def paired(runs: list[dict] | None, base: list[dict] | None, speed: Callable[[dict], float] = tokens_per_s) -> float | None:
+    """The median over repeats of a system's `speed` over the baseline's in the same repeat (runs in
+    repeat order); None without a run in every repeat (a failed system)."""
+    if not runs or not base or len(runs) != len(base):
+        return None
+    return statistics.median(speed(r) / speed(b) for r, b in zip(runs, base))

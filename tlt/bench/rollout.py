@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from tlt.bench import paired, rotation
 from tlt.device import synchronize
 
 
@@ -230,10 +231,10 @@ def run(args: argparse.Namespace) -> int:
     for name in strategies:
         config = EngineConfig(speculative="on", strategy=name, drafter=drafter)
         systems[f"tlt_{name}"] = lambda r, config=config: run_tlt(model, prompts, args, r, config)
-    for arms in ([None] if args.adaptive else []) + arm_sets:
-        name = ADAPTIVE if arms is None else f"{ADAPTIVE}:{'+'.join(arms)}"
-        config = EngineConfig(speculative="adaptive", drafter=drafter,
-                              tuner=None if arms is None else TunerConfig(arms=arms))
+    adaptive = dict(([(ADAPTIVE, TunerConfig())] if args.adaptive else []) +
+                    [(f"{ADAPTIVE}:{'+'.join(arms)}", TunerConfig(arms=arms)) for arms in arm_sets])  # name -> tuner
+    for name, tuner in adaptive.items():
+        config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner)
         systems[name] = carried_tuner(lambda r, state, config=config: run_tlt(model, prompts, args, r, config, state))
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -246,16 +247,14 @@ def run(args: argparse.Namespace) -> int:
         for name, fn in systems.items():  # warm-up, not timed
             fn(-1)
         results = {name: [] for name in systems}
-        names = list(systems)
         for r in range(args.repeats):
-            for name in names[r % len(names):] + names[: r % len(names)]:  # the order rotates every repeat
+            for name in rotation(list(systems), r):
                 results[name].append(systems[name](r))
                 print(f"  run {r + 1}: {name:8s} {results[name][-1]['wall_s']:7.2f}s", file=sys.stderr)
     rows = {name: summarize(runs) for name, runs in results.items()}
     for name, runs in results.items():
-        if name != "tlt_off":  # paired: the median over repeats of tlt_off's wall / this system's
-            rows[name]["paired_vs_off"] = statistics.median(
-                off["wall_s"] / run["wall_s"] for off, run in zip(results["tlt_off"], runs, strict=True))
+        if name != "tlt_off":  # the median over repeats of tlt_off's wall / this system's
+            rows[name]["paired_vs_off"] = paired(runs, results["tlt_off"], speed=lambda run: 1 / run["wall_s"])
     tuner = Tuner(TunerConfig())
     split = {name: [bucket_split(r["step_s"], r["step_tokens"], r["batch_sizes"], tuner) for r in runs]
              for name, runs in results.items() if name.startswith("tlt_")}  # per repeat
@@ -264,15 +263,15 @@ def run(args: argparse.Namespace) -> int:
     ratios = {}
     if "hf" in rows:
         ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
-    fixed = {name: row for name, row in rows.items() if name.startswith("tlt_") and not name.startswith(ADAPTIVE)}
+    fixed = {name: row for name, row in rows.items() if name.startswith("tlt_") and name not in adaptive}
     best = min(fixed, key=lambda name: fixed[name]["wall_s"])
     ratios["best_fixed"] = best
-    for name in (name for name in rows if name.startswith(ADAPTIVE)):
-        adaptive, key = rows[name]["wall_s"], name.removeprefix("tlt_")
-        ratios[f"{key}_vs_off"] = rows["tlt_off"]["wall_s"] / adaptive
-        ratios[f"{key}_vs_best_fixed"] = fixed[best]["wall_s"] / adaptive
+    for name in adaptive:
+        wall, key = rows[name]["wall_s"], name.removeprefix("tlt_")
+        ratios[f"{key}_vs_off"] = rows["tlt_off"]["wall_s"] / wall
+        ratios[f"{key}_vs_best_fixed"] = fixed[best]["wall_s"] / wall
         if "hf" in rows:
-            ratios[f"{key}_vs_hf"] = rows["hf"]["wall_s"] / adaptive
+            ratios[f"{key}_vs_hf"] = rows["hf"]["wall_s"] / wall
     for name in fixed:
         if name != "tlt_off":
             ratios[f"{name.removeprefix('tlt_')}_vs_off"] = rows["tlt_off"]["wall_s"] / fixed[name]["wall_s"]
@@ -285,8 +284,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'system':{width}s} {'wall s':>8s} {'tokens':>8s} {'tok/s':>9s} {'accept':>7s} {'paired':>7s}")
     for name, row in rows.items():
         accept = f"{row['acceptance_length']:7.2f}" if "acceptance_length" in row else f"{'-':>7s}"
-        paired = f"{row['paired_vs_off']:7.2f}" if "paired_vs_off" in row else f"{'-':>7s}"
-        print(f"{name:{width}s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f} {accept} {paired}")
+        pair = f"{row['paired_vs_off']:7.2f}" if "paired_vs_off" in row else f"{'-':>7s}"
+        print(f"{name:{width}s} {row['wall_s']:8.2f} {row['tokens']:8.0f} {row['tokens_per_s']:9.1f} {accept} {pair}")
     labels = list(rows["tlt_off"]["bucket_seconds"])
     print("step seconds / tokens per second by live batch size (medians)")
     print(f"{'system':{width}s} " + " ".join(f"{x:>13s}" for x in labels))
@@ -302,11 +301,10 @@ def run(args: argparse.Namespace) -> int:
     last = {name: (_cumulative(runs[-1]["step_s"]), runs[-1]["batch_sizes"]) for name, runs in results.items()}
     png = live_batch(last, args.plot, f"{args.prompts} prompts x {args.samples} samples, default model")
     print(f"wrote {png}")
-    adaptive = [name for name in results if name.startswith(ADAPTIVE)]
     for name in adaptive:
         rows[name]["tuner"] = results[name][-1]["tuner"]
     if adaptive:  # the first adaptive system's strategies
-        run = results[adaptive[0]][-1]
+        run = results[next(iter(adaptive))][-1]
         png = strategy_by_batch(run["batch_sizes"], run["strategies"], Path(args.plot).with_name("rollout_strategy.png"))
         print(f"wrote {png}")
     if args.json:

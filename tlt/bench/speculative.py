@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tlt.bench import paired, rotation
 from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
 from tlt.device import synchronize
@@ -221,10 +222,8 @@ def measure(
             f"{torch.get_num_threads()} threads, median of {repeats}")
         results: dict[tuple[int, str], list[dict]] = {}
         for b, here in plan.items():
-            names = list(here)
             for r in range(repeats):
-                for k in range(len(names)):  # rotate the order every repeat
-                    name = names[(k + r) % len(names)]
+                for name in rotation(list(here), r):
                     out = attempt(name, here[name], batches_of(prompts, b, prompts_per_run), max_tokens, r)
                     if out is not None:
                         results.setdefault((b, name), []).append(out)
@@ -261,14 +260,6 @@ def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]
         row["paired_vs_off"] = paired(results.get((row["batch"], row["strategy"])), results.get((row["batch"], "off")))
     rows.sort(key=lambda r: r["batch"])
     return rows
-
-
-def paired(runs: list[dict] | None, off: list[dict] | None) -> float | None:
-    """The median over repeats of a system's tokens/s over plain decoding's in the same repeat; None
-    without a run in every repeat (a failed system)."""
-    if not runs or not off or len(runs) != len(off):
-        return None
-    return statistics.median((r["tokens"] / r["wall_s"]) / (o["tokens"] / o["wall_s"]) for r, o in zip(runs, off))
 
 
 def make_ratios(rows: list[dict], strategies: list[str]) -> dict[str, Any]:
@@ -311,7 +302,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         lines.append(f"{r['batch']:>5}  {r['strategy']:20s}  {r['tokens']:>7.0f}  {r['wall_s']:>8.2f}  "
                      f"{r['tokens_per_s']:>9.1f}  {num(r['acceptance_length'], '6.2f'):>6}  "
-                     f"{num(r['speedup_vs_off'], '6.2f'):>6}  {num(r.get('paired_vs_off'), '6.2f'):>6}")
+                     f"{num(r['speedup_vs_off'], '6.2f'):>6}  {num(r['paired_vs_off'], '6.2f'):>6}")
     return "\n".join(lines)
 
 

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from tlt.bench import rotation
+
 SYSTEMS = ("trl", "trl+tlt_off", "trl+tlt")
 
 
@@ -116,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"trl bench: {args.prompts} prompts x {args.samples} samples, {args.steps} steps per run, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     for r in range(args.repeats):
-        for k in range(len(systems)):
-            system = systems[(k + r) % len(systems)]
+        for system in rotation(systems, r):
             result = run_system(system, args, folder, tokenizer, dataset, out)
             results[system].append(result)
             print(f"  round {r + 1} {system:12s} steps " + " ".join(f"{t:.1f}s" for t in result["step_times_s"]),

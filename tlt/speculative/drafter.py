@@ -37,8 +37,8 @@ from torch import nn
 from tlt.errors import CheckpointError
 from tlt.model.config import ModelConfig
 from tlt.model.kv_cache import KVCache
-from tlt.model.transformer import (ColumnMajorLinears, DecoderLayer, Transformer, additive, attention_mask_for,
-                                   training_mask)
+from tlt.model.layout import ColumnMajorLinears
+from tlt.model.transformer import DecoderLayer, Transformer, additive, attention_mask_for, training_mask
 
 
 @dataclass(frozen=True)
