@@ -38,13 +38,8 @@ def workload(strategy: str, prompts: int, threads: int, batch: int, samples: int
     torch.set_num_threads(threads)
     folder = resolve_model_path("default")
     model, tokenizer = load_model(folder), load_tokenizer(folder)
-    if strategy == "off":
-        config = EngineConfig(progress=False)
-    else:
-        drafter = Drafter.load("default", model)
-        config = (EngineConfig(progress=False, speculative="adaptive", drafter=drafter) if strategy == "adaptive"
-                  else EngineConfig(progress=False, speculative="on", strategy=strategy, drafter=drafter))
-    engine = RolloutEngine(model, config=config)
+    drafter = None if strategy == "off" else Drafter.load("default", model)
+    engine = RolloutEngine(model, config=EngineConfig.named(strategy, drafter, progress=False))
     ids = [tokenizer.encode(p.prompt) for p in ArithmeticTask().sample(prompts, seed=0, split="eval")]
     with torch.inference_mode():
         for start in range(0, len(ids), batch):

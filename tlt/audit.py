@@ -161,13 +161,7 @@ def teacher_forced(model, prompts: list[list[int]], responses: list[list[int]], 
 def engine_for(model, tokenizer, system: str, drafter):
     from tlt.rollout import EngineConfig, RolloutEngine
 
-    if system == "off":
-        config = EngineConfig(progress=False)
-    elif system == "adaptive":
-        config = EngineConfig(progress=False, speculative="adaptive", drafter=drafter)
-    else:
-        config = EngineConfig(progress=False, speculative="on", strategy=system, drafter=drafter)
-    return RolloutEngine(model, tokenizer, config)
+    return RolloutEngine(model, tokenizer, EngineConfig.named(system, drafter, progress=False))
 
 
 def audit(model, tokenizer, prompts: list[list[int]], systems: list[str], drafter=None, samples: int = 16,

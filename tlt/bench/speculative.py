@@ -78,11 +78,7 @@ def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, te
                repeat: int) -> dict:
     from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
 
-    if strategy == "off":
-        config = EngineConfig(progress=False)
-    else:
-        config = EngineConfig(progress=False, speculative="on", strategy=strategy, drafter=drafter)
-    engine = RolloutEngine(model, config=config)
+    engine = RolloutEngine(model, config=EngineConfig.named(strategy, drafter, progress=False))
     wall = tokens = 0
     for k, prompts in enumerate(batches):
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=repeat * 1000 + k * len(prompts) + i)
