@@ -29,9 +29,8 @@ def test_bucket_bound_runs_plain_decodings_tokens_at_the_best_throughput_of_each
     assert bound == pytest.approx(6.0 / (40 / 40 + 60 / 30))
 
 
-def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
-    """A tiny random model with the built-in tokenizer: off, one tree and adaptive, one repeat."""
-    from tlt.cli import main
+def save_tiny_model_and_drafter(tmp_path) -> None:
+    """A tiny random model with the built-in tokenizer in tmp_path/model, a random drafter in tmp_path/drafter."""
     from tlt.model import ModelConfig, Transformer
     from tlt.speculative import Drafter
     from tlt.tasks import CharTokenizer
@@ -45,6 +44,13 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
     model.save_pretrained(tmp_path / "model")
     CharTokenizer().save_pretrained(tmp_path / "model")
     Drafter.from_target(model, seed=1).save(tmp_path / "drafter")
+
+
+def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
+    """A tiny random model with the built-in tokenizer: off, one tree and adaptive, one repeat."""
+    from tlt.cli import main
+
+    save_tiny_model_and_drafter(tmp_path)
     out = tmp_path / "rollout.json"
     code = main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
                  "--prompts", "2", "--samples", "3", "--max-tokens", "12", "--repeats", "1", "--skip-hf",
@@ -90,3 +96,34 @@ def test_adaptive_arms_are_checked_before_anything_runs():
         adaptive_arms("ngram-d4")
     with pytest.raises(ConfigError, match=r"--adaptive-arms 'off,tree-x'"):
         adaptive_arms("off,tree-x")
+
+
+def test_dtype_puts_every_system_in_that_dtype(tmp_path, monkeypatch):
+    """`--dtype bfloat16`: tlt's engines (target and drafter) and transformers' model all run bf16 weights."""
+    from tlt.bench import rollout
+    from tlt.cli import main
+
+    save_tiny_model_and_drafter(tmp_path)
+    seen = []
+    run_tlt, run_hf = rollout.run_tlt, rollout.run_hf
+
+    def tlt_spy(model, prompts, args, repeat, config=None, tuner_state=None):
+        drafter = None if config is None else config.drafter
+        seen.append(("tlt", model.dtype, None if drafter is None else next(drafter.parameters()).dtype))
+        return run_tlt(model, prompts, args, repeat, config, tuner_state)
+
+    def hf_spy(hf_model, *args):
+        seen.append(("hf", hf_model.dtype, None))
+        return run_hf(hf_model, *args)
+
+    monkeypatch.setattr(rollout, "run_tlt", tlt_spy)
+    monkeypatch.setattr(rollout, "run_hf", hf_spy)
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", "1", "--samples", "2", "--max-tokens", "6", "--repeats", "1", "--dtype", "bfloat16",
+                 "--strategies", "tree-d2-k2-v3", "--json", str(out), "--plot", str(tmp_path / "live.png")]) == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["dtype"] == "bfloat16" and set(record["rows"]) == {"tlt_off", "tlt_tree-d2-k2-v3", "hf"}
+    assert {kind for kind, _, _ in seen} == {"tlt", "hf"}
+    assert all(dtype == torch.bfloat16 for _, dtype, _ in seen)
+    assert {drafter for kind, _, drafter in seen if kind == "tlt"} == {None, torch.bfloat16}

@@ -71,6 +71,32 @@ def test_measure_runs_every_strategy_and_fills_the_record(tiny_folders, tmp_path
     assert "vs off" in speculative.format_table(record["rows"])
 
 
+def test_dtype_puts_every_system_in_that_dtype(tiny_folders, monkeypatch):
+    """dtype="bfloat16": tlt's engines (target and drafter), transformers' model and its assistant all run
+    bf16 weights, and the record says so."""
+    model_dir, drafter_dir = tiny_folders
+    seen = []
+    run_engine, run_hf = speculative.run_engine, speculative.run_hf
+
+    def engine_spy(model, drafter, *args):
+        seen.append(("tlt", model.dtype, None if drafter is None else next(drafter.parameters()).dtype))
+        return run_engine(model, drafter, *args)
+
+    def hf_spy(hf_model, batches, temperature, max_tokens, eos_id, pad_id, repeat, assistant=None):
+        seen.append(("hf", hf_model.dtype, None if assistant is None else assistant.dtype))
+        return run_hf(hf_model, batches, temperature, max_tokens, eos_id, pad_id, repeat, assistant)
+
+    monkeypatch.setattr(speculative, "run_engine", engine_spy)
+    monkeypatch.setattr(speculative, "run_hf", hf_spy)
+    record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off", "tree-d3-k2-v4"],
+                                 max_tokens=8, repeats=1, prompts_per_run=1, dtype="bfloat16", log=lambda s: None)
+    assert record["config"]["dtype"] == "bfloat16"
+    assert {r["strategy"] for r in record["rows"] if r["tokens_per_s"]} == {"off", "tree-d3-k2-v4", "hf",
+                                                                          speculative.HF_ASSISTED}
+    assert all(dtype == torch.bfloat16 for _, dtype, _ in seen)
+    assert {other for _, _, other in seen} == {None, torch.bfloat16}  # the drafter and the assistant
+
+
 def test_paired_ratio_is_the_median_of_within_repeat_ratios():
     off = [{"tokens": 100, "wall_s": 1.0}, {"tokens": 100, "wall_s": 2.0}, {"tokens": 100, "wall_s": 1.0}]
     tree = [{"tokens": 100, "wall_s": 0.5}, {"tokens": 100, "wall_s": 1.6}, {"tokens": 100, "wall_s": 0.8}]
@@ -86,4 +112,5 @@ def test_options_parse_lists():
     assert args.batch_sizes == [1, 2] and args.strategies == ["off", "ngram-d3"] and args.skip_hf
     defaults = parser.parse_args([])
     assert defaults.batch_sizes == [1, 4, 16, 64] and defaults.strategies == list(speculative.STRATEGIES)
-    assert (defaults.model, defaults.drafter, defaults.max_tokens, defaults.repeats) == ("default", "default", 640, 3)
+    assert (defaults.model, defaults.drafter, defaults.max_tokens, defaults.repeats, defaults.dtype) == (
+        "default", "default", 640, 3, "float32")

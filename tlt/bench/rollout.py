@@ -7,7 +7,8 @@ every repeat, so machine noise hits all of them, and each figure is the median o
 Ratios are baseline time / system time (> 1 means faster than the baseline), of the medians; each
 system's `paired_vs_off` is the median over repeats of the ratio within a repeat, steadier when the
 machine's speed drifts between repeats. A PNG shows the live batch size over time: transformers keeps
-finished rows in its batch to the end, tlt's batch shrinks as responses finish.
+finished rows in its batch to the end, tlt's batch shrinks as responses finish. `--dtype` sets the
+weights' dtype of every system, tlt's and transformers' alike.
 
 Systems: `tlt_off` (plain decoding), `hf` (transformers' generate), each `--strategies` entry run at
 every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose tuner state is carried
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
     parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype for every system, tlt's and transformers' alike")
     parser.add_argument("--json", help="write config, rows and ratios here")
     parser.add_argument("--plot", default="runs/bench/rollout_live_batch.png")
 
@@ -219,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.device import resolve_device
 
     device = resolve_device(args.device, "--device")
-    model, tokenizer = load_model(folder, device=device), load_tokenizer(folder)
+    model, tokenizer = load_model(folder, dtype=args.dtype, device=device), load_tokenizer(folder)
     from tlt.adaptive.tuner import Tuner, TunerConfig
     from tlt.rollout import EngineConfig
     from tlt.speculative import Drafter
@@ -239,9 +242,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).to(device).eval()
         systems["hf"] = lambda r: run_hf(hf_model, prompts, args, tokenizer.eos_token_id, tokenizer.pad_token_id, r)
-    print(f"rollout bench: {args.prompts} prompts x {args.samples} samples, temperature {args.temperature}, "
+    print(f"rollout bench: {args.dtype}, {args.prompts} prompts x {args.samples} samples, temperature {args.temperature}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}", file=sys.stderr)
     with torch.inference_mode():
         for name, fn in systems.items():  # warm-up, not timed

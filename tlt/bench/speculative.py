@@ -9,7 +9,10 @@ the order rotates every repeat, so machine noise hits all of them. Each figure i
 `--repeats` runs (one short untimed warm-up per system first). speedup_vs_off is a strategy's median
 tokens/s over that of `off` at the same batch size (> 1: faster); paired_vs_off is the median over
 repeats of that ratio within a repeat, steadier when the machine's speed drifts between repeats.
-acceptance_length is tokens per row per speculative step (accepted drafts + 1).
+acceptance_length is tokens per row per speculative step (accepted drafts + 1). `--dtype` sets the
+weights' dtype of every system (tlt's target and drafter, transformers' model and assistant): bfloat16
+is what GPU rollouts run; on a CPU its products of a few rows cost more than float32's and of many rows
+less, so it moves the ratios.
 
 At batch 1 transformers runs too: plain `generate` ("hf") and assisted generation with sampling
 ("hf-assisted-2layer", speculative sampling against a draft model). The default model has no smaller
@@ -33,6 +36,7 @@ from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
 from tlt.device import synchronize
 
+DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("off", "chain-d4", "tree-d6-k4-v24", "tree-d8-k4-v48", "ngram-d4")
 ASSISTANT_LAYERS = 2
 HF = "hf"
@@ -60,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts per run at each batch size (at least the batch size), as consecutive batches")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="the weights' dtype for every system, tlt's and transformers' alike")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 
@@ -145,6 +151,7 @@ def measure(
     skip_hf: bool = False,
     prompts_per_run: int = 8,
     device: str = "cpu",
+    dtype: str = "float32",
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> dict[str, Any]:
@@ -169,7 +176,7 @@ def measure(
     from tlt.device import resolve_device
 
     device = resolve_device(device, "--device")
-    model, tokenizer = load_model(folder, device=device), load_tokenizer(folder)
+    model, tokenizer = load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
     drafter = Drafter.load(drafter_path, model) if needs_drafter else None
     problems = ArithmeticTask().sample(max(covered(b, prompts_per_run) for b in batch_sizes), seed=seed, split="eval")
@@ -186,11 +193,11 @@ def measure(
         if not skip_hf:
             from transformers import AutoModelForCausalLM
 
-            hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+            hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).to(device).eval()
             hf_systems[HF] = lambda batch, n, r: run_hf(hf_model, batch, temperature, n, eos, pad, r)
             try:
                 small = truncated_copy(model, ASSISTANT_LAYERS, Path(scratch.name) / "assistant")
-                assistant = AutoModelForCausalLM.from_pretrained(str(small), dtype=torch.float32).to(device).eval()
+                assistant = AutoModelForCausalLM.from_pretrained(str(small), dtype=model.dtype).to(device).eval()
                 hf_systems[HF_ASSISTED] = lambda batch, n, r: run_hf(hf_model, batch, temperature, n, eos, pad,
                                                                      r, assistant)
             except Exception as exc:  # transformers' assisted generation is not ours to debug here
@@ -214,7 +221,7 @@ def measure(
         warm = [prompts[: min(batch_sizes)]]
         for name, fn in {**systems, **hf_systems}.items():  # warm-up, not timed
             attempt(name, fn, warm, min(max_tokens, WARMUP_TOKENS), -1)
-        log(f"speculative bench: batch sizes {list(batch_sizes)}, temperature {temperature}, max {max_tokens} tokens, "
+        log(f"speculative bench: {dtype}, batch sizes {list(batch_sizes)}, temperature {temperature}, max {max_tokens} tokens, "
             f"{torch.get_num_threads()} threads, median of {repeats}")
         results: dict[tuple[int, str], list[dict]] = {}
         for b, here in plan.items():
@@ -231,7 +238,7 @@ def measure(
         "model": str(model_path), "drafter": str(drafter_path) if needs_drafter else None,
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
-        "threads": torch.get_num_threads(), "device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
     }
     return {"config": config, "rows": rows, "ratios": make_ratios(rows, strategies)}
@@ -310,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
-                     args.repeats, args.seed, args.skip_hf, args.prompts, args.device)
+                     args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size; paired: the median over repeats of "
