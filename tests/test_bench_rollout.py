@@ -57,6 +57,7 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
                  "--strategies", "tree-d2-k2-v3", "--adaptive", "--adaptive-arms", "off,tree-d2-k2-v3",
                  "--json", str(out), "--plot", str(tmp_path / "live.png")])
     assert code == 0
+    assert (tmp_path / "live.png").exists() and (tmp_path / "live_strategy.png").exists()
     record = json.loads(out.read_text())
     labels = [Tuner(TunerConfig()).label(i) for i in range(len(TunerConfig().buckets) + 1)]
     narrow = "tlt_adaptive:off+tree-d2-k2-v3"

@@ -13,7 +13,7 @@ weights' dtype of every system, tlt's and transformers' alike.
 Systems: `tlt_off` (plain decoding), `hf` (transformers' generate), each `--strategies` entry run at
 every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose tuner state is carried
 from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first).
-`adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
+`adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG (beside `--plot`, its name + `_strategy`)
 shows which strategy the adaptive engine ran at each live batch size. Each `--adaptive-arms A,B,...`
 adds an adaptive engine whose tuner competes over those arms only (`tlt_adaptive:A+B+...`), to choose
 a workload's arm set by measurement: its ratios are `adaptive:A+B+..._vs_off` and `_vs_best_fixed`.
@@ -121,6 +121,13 @@ def carried_tuner(run_one):
         return result
 
     return system
+
+
+def strategy_plot(plot: str) -> Path:
+    """Where the adaptive engine's strategy plot goes: beside `--plot`, named after it, so runs with
+    different `--plot` paths keep their own."""
+    path = Path(plot)
+    return path.with_name(f"{path.stem}_strategy.png")
 
 
 def run_hf(hf_model, prompts, args, eos_id: int, pad_id: int, repeat: int) -> dict:
@@ -308,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         rows[name]["tuner"] = results[name][-1]["tuner"]
     if adaptive:  # the first adaptive system's strategies
         run = results[next(iter(adaptive))][-1]
-        png = strategy_by_batch(run["batch_sizes"], run["strategies"], Path(args.plot).with_name("rollout_strategy.png"))
+        png = strategy_by_batch(run["batch_sizes"], run["strategies"], strategy_plot(args.plot))
         print(f"wrote {png}")
     if args.json:
         atomic_write_json(Path(args.json), {
