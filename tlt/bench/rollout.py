@@ -13,8 +13,9 @@ weights' dtype of every system, tlt's and transformers' alike.
 Systems: `tlt_off` (plain decoding), `hf` (transformers' generate), each `--strategies` entry run at
 every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose tuner state is carried
 from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first).
-`adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG (beside `--plot`, its name + `_strategy`)
-shows which strategy the adaptive engine ran at each live batch size. Each `--adaptive-arms A,B,...`
+`adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
+(beside `--plot`, its name + `_strategy`) shows which strategy the adaptive engine ran at each live
+batch size. Each `--adaptive-arms A,B,...`
 adds an adaptive engine whose tuner competes over those arms only (`tlt_adaptive:A+B+...`), to choose
 a workload's arm set by measurement: its ratios are `adaptive:A+B+..._vs_off` and `_vs_best_fixed`.
 
