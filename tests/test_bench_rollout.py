@@ -100,7 +100,8 @@ def test_adaptive_arms_are_checked_before_anything_runs():
 
 
 def test_dtype_puts_every_system_in_that_dtype(tmp_path, monkeypatch):
-    """`--dtype bfloat16`: tlt's engines (target and drafter) and transformers' model all run bf16 weights."""
+    """`--dtype bfloat16`: tlt's engines (target and drafter) and transformers' model all run bf16 weights;
+    `--baseline-dtype float32` adds plain decoding in float32, compared in the same run."""
     from tlt.bench import rollout
     from tlt.cli import main
 
@@ -122,9 +123,20 @@ def test_dtype_puts_every_system_in_that_dtype(tmp_path, monkeypatch):
     out = tmp_path / "rollout.json"
     assert main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
                  "--prompts", "1", "--samples", "2", "--max-tokens", "6", "--repeats", "1", "--dtype", "bfloat16",
-                 "--strategies", "tree-d2-k2-v3", "--json", str(out), "--plot", str(tmp_path / "live.png")]) == 0
+                 "--strategies", "tree-d2-k2-v3", "--adaptive", "--baseline-dtype", "float32", "--json", str(out),
+                 "--plot", str(tmp_path / "live.png")]) == 0
     record = json.loads(out.read_text())
-    assert record["config"]["dtype"] == "bfloat16" and set(record["rows"]) == {"tlt_off", "tlt_tree-d2-k2-v3", "hf"}
+    rows, ratios = record["rows"], record["ratios"]
+    assert record["config"]["dtype"] == "bfloat16"
+    assert set(rows) == {"tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive", "hf", "off_float32"}
     assert {kind for kind, _, _ in seen} == {"tlt", "hf"}
-    assert all(dtype == torch.bfloat16 for _, dtype, _ in seen)
+    # Each of the 5 systems ran twice (warm-up and one repeat): the float32 baseline's two, the rest bf16.
+    assert sorted(str(dtype) for _, dtype, _ in seen) == ["torch.bfloat16"] * 8 + ["torch.float32"] * 2
     assert {drafter for kind, _, drafter in seen if kind == "tlt"} == {None, torch.bfloat16}
+    # The float32 baseline is compared with, not counted among the fixed systems or the bound.
+    assert ratios["best_fixed"] in ("tlt_off", "tlt_tree-d2-k2-v3") and "bucket_seconds" not in rows["off_float32"]
+    base = rows["off_float32"]["wall_s"]
+    assert ratios["adaptive_vs_off_float32"] == pytest.approx(base / rows["tlt_adaptive"]["wall_s"])
+    assert ratios["tlt_off_vs_off_float32"] == pytest.approx(base / rows["tlt_off"]["wall_s"])
+    fastest = min(rows[n]["wall_s"] for n in ("tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive"))
+    assert ratios["best_vs_off_float32"] == pytest.approx(base / fastest)

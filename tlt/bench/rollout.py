@@ -8,7 +8,10 @@ Ratios are baseline time / system time (> 1 means faster than the baseline), of 
 system's `paired_vs_off` is the median over repeats of the ratio within a repeat, steadier when the
 machine's speed drifts between repeats. A PNG shows the live batch size over time: transformers keeps
 finished rows in its batch to the end, tlt's batch shrinks as responses finish. `--dtype` sets the
-weights' dtype of every system, tlt's and transformers' alike.
+weights' dtype of every system, tlt's and transformers' alike. `--baseline-dtype D` adds plain
+decoding with weights in D (`off_D`, outside the fixed systems and the bound): on a CPU whose bf16
+products of one or a few rows cost more than float32's, bf16 speculation is measured against both
+plain decodings in one run (`<system>_vs_off_D`; `best_vs_off_D` is the fastest tlt system's).
 
 Systems: `tlt_off` (plain decoding), `hf` (transformers' generate), each `--strategies` entry run at
 every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose tuner state is carried
@@ -61,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="the weights' dtype for every system, tlt's and transformers' alike")
+    parser.add_argument("--baseline-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="also run plain decoding with weights in this dtype (system `off_<dtype>`), the "
+                             "baseline to beat where --dtype's plain decoding is not the fastest")
     parser.add_argument("--json", help="write config, rows and ratios here")
     parser.add_argument("--plot", default="runs/bench/rollout_live_batch.png")
 
@@ -247,6 +253,11 @@ def run(args: argparse.Namespace) -> int:
     for name, tuner in adaptive.items():
         config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner)
         systems[name] = carried_tuner(lambda r, state, config=config: run_tlt(model, prompts, args, r, config, state))
+    baseline = None
+    if args.baseline_dtype is not None and args.baseline_dtype != args.dtype:
+        baseline = f"off_{args.baseline_dtype}"
+        other = load_model(folder, dtype=args.baseline_dtype, device=device)
+        systems[baseline] = lambda r: run_tlt(other, prompts, args, r)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -283,6 +294,12 @@ def run(args: argparse.Namespace) -> int:
         ratios[f"{key}_vs_best_fixed"] = fixed[best]["wall_s"] / wall
         if "hf" in rows:
             ratios[f"{key}_vs_hf"] = rows["hf"]["wall_s"] / wall
+        if baseline is not None:
+            ratios[f"{key}_vs_{baseline}"] = rows[baseline]["wall_s"] / wall
+    if baseline is not None:
+        ratios[f"tlt_off_vs_{baseline}"] = rows[baseline]["wall_s"] / rows["tlt_off"]["wall_s"]
+        ratios[f"best_vs_{baseline}"] = rows[baseline]["wall_s"] / min(
+            row["wall_s"] for name, row in rows.items() if name.startswith("tlt_"))
     for name in fixed:
         if name != "tlt_off":
             ratios[f"{name.removeprefix('tlt_')}_vs_off"] = rows["tlt_off"]["wall_s"] / fixed[name]["wall_s"]
