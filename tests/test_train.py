@@ -2,6 +2,7 @@
 the engine with their version, resume is exact, a non-finite loss stops the run with the last good
 checkpoint intact, and bad config fails at start naming the key."""
 
+import dataclasses
 import json
 
 import pytest
@@ -381,6 +382,31 @@ def test_online_training_of_an_eagle3_drafter(model_dir, tmp_path):
         assert [r["drafter_phase_steps"] for r in rows] == [2, 2] and rows[-1]["drafter_version"] == 2
     finally:
         trainer.close()
+
+
+def test_compare_in_bfloat16_against_a_float32_baseline(model_dir, tmp_path):
+    """rollout_dtype=bfloat16 shared by off and tlt, with `baseline_dtype="float32"`: a third run rolls out
+    plain decoding in float32 with the engine's own log-probs, and the ratios compare tlt with it."""
+    from tlt.bench.e2e import compare
+
+    c = config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", drafter="random",
+               speculative="adaptive", drafter_train="off", steps=2, eval_every=2, max_response_tokens=16)
+    result = compare(c, "adaptive", tmp_path / "bench", log=lambda *_: None, runs=("off", "tlt"),
+                     baseline_dtype="float32")
+    assert result["runs"] == ["off", "tlt", "off_float32"]
+    baseline = json.loads((tmp_path / "bench" / "off_float32" / "config.json").read_text())
+    assert (baseline["rollout_dtype"], baseline["old_logprobs"], baseline["speculative"]) == ("float32", "rollout", "off")
+    assert json.loads((tmp_path / "bench" / "tlt" / "config.json").read_text())["rollout_dtype"] == "bfloat16"
+    ratios, times = result["ratios"], result["curves"]
+    assert ratios["speedup_vs_off_float32"] == pytest.approx(sum(times["off_float32"]["step_time_s"]) /
+                                                             sum(times["tlt"]["step_time_s"]))
+    breakdown = result["breakdown_s"]
+    assert ratios["rollout_speedup_vs_off_float32"] == pytest.approx(breakdown["off_float32"]["rollout"] /
+                                                                     breakdown["tlt"]["rollout"])
+    # the same dtype as the shared runs adds nothing
+    same = compare(dataclasses.replace(c, steps=1, eval_every=1), "adaptive", None, log=lambda *_: None,
+                   runs=("tlt",), baseline_dtype="bfloat16")
+    assert same["runs"] == ["tlt"] and not any(k.endswith("bfloat16") for k in same["ratios"])
 
 
 def test_rollout_in_bfloat16_with_float32_master_weights(model_dir):

@@ -10,6 +10,12 @@ eval accuracy at the end minus at the start, in points. With the default arms (t
 verification) the tlt run draws the off run's very samples; `matching_steps` counts the steps,
 from the first, in which both runs had the same response lengths and rewards.
 
+`--baseline-dtype D` adds a run `off_D`: plain decoding with rollout weights in D, the rest of the config
+shared. With rollout_dtype=bfloat16 (where, on a CPU, speculation gains the most) and D=float32 it
+measures tlt against plain decoding at the dtype where plain decoding is fastest on such a machine:
+`ratios.speedup_vs_off_float32` and `rollout_speedup_vs_off_float32`. Its samples come from another
+rounding of the same policy, so its curves match the others within noise only.
+
 With drafter training on (the default when the tlt run has a learned drafter), a third run "frozen"
 is the tlt run with the drafter kept as it started (drafter_train=off). It gives the two figures of
 the adaptive drafter:
@@ -42,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", help="the tlt runs' starting drafter: a folder, default, references "
                                           "(trained on reference solutions), random (cold start)")
     parser.add_argument("--runs", default="off,tlt,frozen", help="which runs: off, tlt, frozen (comma-separated)")
+    parser.add_argument("--baseline-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="also run plain decoding with rollout weights in this dtype (run `off_<dtype>`), the "
+                             "baseline to beat where the shared rollout_dtype's plain decoding is not the fastest")
     parser.add_argument("--json", help="write config, per-step rows, curves and ratios here")
     parser.add_argument("--out", default="runs/bench/e2e", help="folder for the runs and the plot")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields shared by both runs")
@@ -59,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     extra = [f"steps={args.steps}"] + ([f"workers={args.workers}"] if args.workers else []) + \
         ([f"drafter={args.drafter}"] if args.drafter else [])
     base = build(TrainConfig, args.config, [*args.overrides, *extra])
-    result = compare(base, args.tlt, Path(args.out), runs=tuple(args.runs.split(",")))
+    result = compare(base, args.tlt, Path(args.out), runs=tuple(args.runs.split(",")),
+                     baseline_dtype=args.baseline_dtype)
     if args.json:
         atomic_write_json(args.json, result)
         print(f"wrote {args.json}")
@@ -67,9 +77,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print,
-            runs: tuple[str, ...] = ("off", "tlt", "frozen")) -> dict:
+            runs: tuple[str, ...] = ("off", "tlt", "frozen"), baseline_dtype: str | None = None) -> dict:
     """Run `base` with speculation off, with `tlt_mode` and (when the drafter trains) with the drafter
-    frozen, alternating step by step; returns the result dict (ratios, breakdown, curves). With `out`,
+    frozen, alternating step by step; returns the result dict (ratios, breakdown, curves). A
+    `baseline_dtype` other than base's rollout_dtype adds the run `off_<dtype>`: speculation off with
+    rollout weights in that dtype (float32 takes the engine's own log-probs, old_logprobs=rollout),
+    with ratios `speedup_vs_off_<dtype>` and `rollout_speedup_vs_off_<dtype>`. With `out`,
     each run's config.json and metrics.jsonl go to out/<run> (the layout `tlt report` reads) and the
     comparison plot to out/e2e.png."""
     import dataclasses
@@ -89,6 +102,11 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
                    "tlt": dataclasses.replace(base, speculative=tlt_mode),
                    "frozen": dataclasses.replace(base, speculative=tlt_mode, drafter_train="off")}
     configs = {name: all_configs[name] for name in runs if name != "frozen" or trains}
+    baseline = None
+    if baseline_dtype is not None and baseline_dtype != base.rollout_dtype:
+        baseline = f"off_{baseline_dtype}"
+        configs[baseline] = dataclasses.replace(base, speculative="off", rollout_dtype=baseline_dtype, old_logprobs=(
+            "rollout" if baseline_dtype == "float32" else "recompute"))
     trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
     logs = {}
     for name, c in configs.items():
@@ -135,6 +153,9 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
             "rollout_speedup": total("off", "time_rollout_s") / total("tlt", "time_rollout_s"),
             "rollout_share_off": total("off", "time_rollout_s") / total("off", "time_step_s"),
         })
+    if baseline is not None:
+        ratios[f"speedup_vs_{baseline}"] = total(baseline, "time_step_s") / total("tlt", "time_step_s")
+        ratios[f"rollout_speedup_vs_{baseline}"] = total(baseline, "time_rollout_s") / total("tlt", "time_rollout_s")
     if "frozen" in rows:
         ratios.update(alignment(rows["tlt"], rows["frozen"]))
     first, last = evals["tlt"][0]["eval_accuracy"], evals["tlt"][-1]["eval_accuracy"]
@@ -163,6 +184,9 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
             f"rollout share of step time (off) {ratios['rollout_share_off']:.0%}")
         log(f"steps with the same response lengths and rewards in both runs, from the first: "
             f"{result['matching_steps']} of {steps}")
+    if baseline is not None:
+        log(f"speed-up over {baseline} ({baseline} time / tlt time): whole run "
+            f"{ratios[f'speedup_vs_{baseline}']:.2f}, rollout {ratios[f'rollout_speedup_vs_{baseline}']:.2f}")
     if "frozen" in rows:
         aligned = ratios["acceptance_adaptive_vs_frozen"]
         arms = ", ".join(f"{a} {v['ratio']:.2f}x" for a, v in ratios["acceptance_by_arm"].items())
@@ -264,16 +288,16 @@ def _plot(result: dict, path: Path) -> None:
     from tlt.io import atomic_write_bytes
 
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.2))
-    for name, style in (("off", "-"), ("tlt", "--"), ("frozen", ":")):
-        if name not in result["curves"]:
-            continue
+    styles = {"off": "-", "tlt": "--", "frozen": ":"}
+    for name in result["curves"]:
+        style = styles.get(name, "-.")
         curve = result["curves"][name]
         steps = range(1, len(curve["reward"]) + 1)
         left.plot(steps, curve["reward"], style, label=f"{name}: train reward")
         left.plot([e["step"] for e in curve["eval"]], [e["eval_accuracy"] for e in curve["eval"]], style,
                   marker="o", label=f"{name}: eval accuracy")
         middle.plot(steps, curve["step_time_s"], style, label=name)
-        if name != "off":
+        if not name.startswith("off"):
             right.plot(steps, [a if a is not None else float("nan") for a in curve["drafter_acceptance_length"]],
                        style, label=f"{name}: learned drafter")
     cold = result["cold_start"]
