@@ -73,7 +73,8 @@ def test_measure_runs_every_strategy_and_fills_the_record(tiny_folders, tmp_path
 
 def test_dtype_puts_every_system_in_that_dtype(tiny_folders, monkeypatch):
     """dtype="bfloat16": tlt's engines (target and drafter), transformers' model and its assistant all run
-    bf16 weights, and the record says so."""
+    bf16 weights, and the record says so; baseline_dtype="float32" adds plain decoding in float32 to
+    every batch size, and every row's ratio over it."""
     model_dir, drafter_dir = tiny_folders
     seen = []
     run_engine, run_hf = speculative.run_engine, speculative.run_hf
@@ -88,13 +89,26 @@ def test_dtype_puts_every_system_in_that_dtype(tiny_folders, monkeypatch):
 
     monkeypatch.setattr(speculative, "run_engine", engine_spy)
     monkeypatch.setattr(speculative, "run_hf", hf_spy)
-    record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off", "tree-d3-k2-v4"],
-                                 max_tokens=8, repeats=1, prompts_per_run=1, dtype="bfloat16", log=lambda s: None)
-    assert record["config"]["dtype"] == "bfloat16"
-    assert {r["strategy"] for r in record["rows"] if r["tokens_per_s"]} == {"off", "tree-d3-k2-v4", "hf",
-                                                                          speculative.HF_ASSISTED}
-    assert all(dtype == torch.bfloat16 for _, dtype, _ in seen)
+    record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1, 2], strategies=["off", "tree-d3-k2-v4"],
+                                 max_tokens=8, repeats=1, prompts_per_run=2, dtype="bfloat16", baseline_dtype="float32",
+                                 log=lambda s: None)
+    assert (record["config"]["dtype"], record["config"]["baseline_dtype"]) == ("bfloat16", "float32")
+    assert [(r["batch"], r["strategy"]) for r in record["rows"] if r["tokens_per_s"]] == [
+        (1, "off"), (1, "tree-d3-k2-v4"), (1, "off_float32"), (1, "hf"), (1, speculative.HF_ASSISTED),
+        (2, "off"), (2, "tree-d3-k2-v4"), (2, "off_float32")]
+    # Every call but plain decoding in float32 (warm-up and one per batch size) ran bf16 weights.
+    assert sorted(str(dtype) for _, dtype, _ in seen) == ["torch.bfloat16"] * 10 + ["torch.float32"] * 3
     assert {other for _, _, other in seen} == {None, torch.bfloat16}  # the drafter and the assistant
+    rows = {(r["batch"], r["strategy"]): r for r in record["rows"]}
+    for b in (1, 2):
+        base = rows[b, "off_float32"]["tokens_per_s"]
+        tree = rows[b, "tree-d3-k2-v4"]
+        assert tree["speedup_vs_off_float32"] == pytest.approx(tree["tokens_per_s"] / base)
+        assert tree["paired_vs_off_float32"] == pytest.approx(tree["speedup_vs_off_float32"])  # one repeat
+        best = record["ratios"]["best_by_batch"][str(b)]
+        assert best["strategy"] in ("off", "tree-d3-k2-v4")  # the baseline is not among the strategies
+        assert best["speedup_vs_off_float32"] == pytest.approx(rows[b, best["strategy"]]["tokens_per_s"] / base)
+    assert "vs off float32" in speculative.format_table(record["rows"])
 
 
 def test_paired_ratio_is_the_median_of_within_repeat_ratios():

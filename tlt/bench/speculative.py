@@ -12,7 +12,8 @@ repeats of that ratio within a repeat, steadier when the machine's speed drifts 
 acceptance_length is tokens per row per speculative step (accepted drafts + 1). `--dtype` sets the
 weights' dtype of every system (tlt's target and drafter, transformers' model and assistant): bfloat16
 is what GPU rollouts run; on a CPU its products of a few rows cost more than float32's and of many rows
-less, so it moves the ratios.
+less, so it moves the ratios. `--baseline-dtype D` adds plain decoding with weights in D (`off_D`) at
+every batch size, and each row's `speedup_vs_off_D` / `paired_vs_off_D` over it.
 
 At batch 1 transformers runs too: plain `generate` ("hf") and assisted generation with sampling
 ("hf-assisted-2layer", speculative sampling against a draft model). The default model has no smaller
@@ -66,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the weights' dtype for every system, tlt's and transformers' alike")
+    parser.add_argument("--baseline-dtype", choices=DTYPES, default=None,
+                        help="also run plain decoding with weights in this dtype (`off_<dtype>`, at every batch size)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 
@@ -152,6 +155,7 @@ def measure(
     prompts_per_run: int = 8,
     device: str = "cpu",
     dtype: str = "float32",
+    baseline_dtype: str | None = None,
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> dict[str, Any]:
@@ -187,6 +191,11 @@ def measure(
         return lambda batch, n, r: run_engine(model, drafter, batch, strategy, temperature, n, r)
 
     systems = {s: engine_system(s) for s in strategies}
+    baseline = None
+    if baseline_dtype is not None and baseline_dtype != dtype:
+        baseline = f"off_{baseline_dtype}"
+        other = load_model(folder, dtype=baseline_dtype, device=device)
+        systems[baseline] = lambda batch, n, r: run_engine(other, None, batch, "off", temperature, n, r)
     hf_systems, errors = {}, {}
     scratch = tempfile.TemporaryDirectory(prefix="tlt-bench-speculative-")
     with scratch, torch.inference_mode():
@@ -232,19 +241,22 @@ def measure(
                         results.setdefault((b, name), []).append(out)
                         log(f"  batch {b:3d} run {r + 1}: {name:20s} {out['wall_s']:7.2f}s {out['tokens']:6d} tokens")
 
-    rows = make_rows(results, errors)
+    rows = make_rows(results, errors, baseline)
     config = {
         "command": shlex.join(command if command is not None else sys.argv),
         "model": str(model_path), "drafter": str(drafter_path) if needs_drafter else None,
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
-        "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "baseline_dtype": baseline_dtype, "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
     }
-    return {"config": config, "rows": rows, "ratios": make_ratios(rows, strategies)}
+    return {"config": config, "rows": rows, "ratios": make_ratios(rows, strategies, baseline)}
 
 
-def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]) -> list[dict]:
+def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str], baseline: str | None = None) -> list[dict]:
+    """One row per (batch, system), with speedup_vs_off and paired_vs_off against plain decoding at the
+    same batch size, and with `baseline` (a plain-decoding system in another dtype) the same two against
+    it: speedup_vs_<baseline>, paired_vs_<baseline>."""
     rows = []
     for (b, name), runs in results.items():
         row = {"batch": b, "strategy": name, **summarize(runs)}
@@ -261,13 +273,19 @@ def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]
         base = off.get(row["batch"])
         row["speedup_vs_off"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
         row["paired_vs_off"] = paired(results.get((row["batch"], row["strategy"])), results.get((row["batch"], "off")))
+        if baseline is not None:
+            other = next((r["tokens_per_s"] for r in rows if r["batch"] == row["batch"] and r["strategy"] == baseline), None)
+            row[f"speedup_vs_{baseline}"] = row["tokens_per_s"] / other if row["tokens_per_s"] is not None and other else None
+            row[f"paired_vs_{baseline}"] = paired(results.get((row["batch"], row["strategy"])),
+                                                  results.get((row["batch"], baseline)))
     rows.sort(key=lambda r: r["batch"])
     return rows
 
 
-def make_ratios(rows: list[dict], strategies: list[str]) -> dict[str, Any]:
-    """speedup_vs_off per strategy and batch; the best strategy per batch; headline batch-1 ratios
-    (`tree_vs_off_batch1` is the first tree strategy listed)."""
+def make_ratios(rows: list[dict], strategies: list[str], baseline: str | None = None) -> dict[str, Any]:
+    """speedup_vs_off per strategy and batch; the best strategy per batch (with `baseline`, also its
+    speed-up over that system); headline batch-1 ratios (`tree_vs_off_batch1` is the first tree
+    strategy listed)."""
     by = {(r["batch"], r["strategy"]): r for r in rows if r["tokens_per_s"] is not None}
     batches = sorted({b for b, s in by if s in strategies})
     ratios: dict[str, Any] = {
@@ -278,6 +296,8 @@ def make_ratios(rows: list[dict], strategies: list[str]) -> dict[str, Any]:
     for b in batches:
         best = max((s for s in strategies if (b, s) in by), key=lambda s: by[b, s]["tokens_per_s"])
         ratios["best_by_batch"][str(b)] = {"strategy": best, "speedup_vs_off": by[b, best]["speedup_vs_off"]}
+        if baseline is not None:
+            ratios["best_by_batch"][str(b)][f"speedup_vs_{baseline}"] = by[b, best].get(f"speedup_vs_{baseline}")
     tree = next((s for s in strategies if s.startswith("tree")), None)
     if tree is not None and (1, tree) in by:
         ratios["tree_vs_off_batch1"] = by[1, tree]["speedup_vs_off"]
@@ -296,8 +316,10 @@ def format_table(rows: list[dict]) -> str:
     def num(x, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
+    extra = next((k.removeprefix("speedup_") for r in rows for k in r
+                  if k.startswith("speedup_vs_") and k != "speedup_vs_off"), None)  # vs_off_<dtype>
     header = (f"{'batch':>5}  {'strategy':20s}  {'tokens':>7}  {'wall s':>8}  {'tok/s':>9}  {'accept':>6}  {'vs off':>6}"
-              f"  {'paired':>6}")
+              f"  {'paired':>6}" + (f"  {extra.replace('_', ' '):>16}" if extra else ""))
     lines = [header, "-" * len(header)]
     for r in rows:
         if "error" in r:
@@ -305,7 +327,8 @@ def format_table(rows: list[dict]) -> str:
             continue
         lines.append(f"{r['batch']:>5}  {r['strategy']:20s}  {r['tokens']:>7.0f}  {r['wall_s']:>8.2f}  "
                      f"{r['tokens_per_s']:>9.1f}  {num(r['acceptance_length'], '6.2f'):>6}  "
-                     f"{num(r['speedup_vs_off'], '6.2f'):>6}  {num(r['paired_vs_off'], '6.2f'):>6}")
+                     f"{num(r['speedup_vs_off'], '6.2f'):>6}  {num(r['paired_vs_off'], '6.2f'):>6}"
+                     + (f"  {num(r.get('speedup_' + extra), '16.2f'):>16}" if extra else ""))
     return "\n".join(lines)
 
 
@@ -317,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
-                     args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype)
+                     args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype, args.baseline_dtype)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size; paired: the median over repeats of "
