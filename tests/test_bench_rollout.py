@@ -140,3 +140,15 @@ def test_dtype_puts_every_system_in_that_dtype(tmp_path, monkeypatch):
     assert ratios["tlt_off_vs_off_float32"] == pytest.approx(base / rows["tlt_off"]["wall_s"])
     fastest = min(rows[n]["wall_s"] for n in ("tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive"))
     assert ratios["best_vs_off_float32"] == pytest.approx(base / fastest)
+
+
+def test_fixed_strategies_are_checked_before_anything_runs():
+    from tlt.bench.rollout import fixed_strategies
+    from tlt.errors import ConfigError
+
+    assert fixed_strategies(" tree-d4-k2-v8,ngram-d4 ,") == ["tree-d4-k2-v8", "ngram-d4"]
+    assert fixed_strategies("") == []
+    with pytest.raises(ConfigError, match=r"--strategies 'tree-d4-k2-v8,tree-x'.*cannot parse strategy 'tree-x'"):
+        fixed_strategies("tree-d4-k2-v8,tree-x")
+    with pytest.raises(ConfigError, match=r"--strategies 'off'.*tlt_off"):
+        fixed_strategies("off")

@@ -117,6 +117,22 @@ def adaptive_arms(text: str) -> tuple[str, ...]:
     return arms
 
 
+def fixed_strategies(text: str) -> list[str]:
+    """The strategy names of `--strategies`, each checked as the engine parses it (plain decoding is
+    always run as tlt_off, so "off" is not one of them)."""
+    from tlt.errors import ConfigError
+    from tlt.speculative.strategy import Strategy
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for name in names:
+        try:
+            if Strategy.parse(name).kind == "off":
+                raise ConfigError("plain decoding always runs, as tlt_off")
+        except ConfigError as exc:
+            raise ConfigError(f"--strategies {text!r}: {exc}") from None
+    return names
+
+
 def carried_tuner(run_one):
     """A system running `run_one(repeat, tuner_state)` whose tuner state is carried from one rollout to
     the next, as it is across RL steps."""
@@ -230,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.tokenizer import load_tokenizer
 
     arm_sets = [adaptive_arms(text) for text in args.adaptive_arms]  # refused before anything loads
+    strategies = fixed_strategies(args.strategies)
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = resolve_model_path(args.model)
@@ -243,7 +260,6 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = workload(args, tokenizer)
     systems = {"tlt_off": lambda r: run_tlt(model, prompts, args, r)}
-    strategies = [x for x in args.strategies.split(",") if x]
     drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive or arm_sets else None
     for name in strategies:
         config = EngineConfig(speculative="on", strategy=name, drafter=drafter)
