@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one short run (about 8 minutes on one H200), for a machine that has PyTorch with
+# The GPU checks in one short run (about 9 minutes on one H200), for a machine that has PyTorch with
 # CUDA but nothing of tlt installed: the CUDA tests, then the speculative, rollout and end-to-end
 # benchmarks on the GPU. Logs and JSON go to $OUT (default runs/gpu).
 #   scripts/gpu_check.sh            everything
@@ -23,13 +23,18 @@ $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.l
 
 step "speculative decoding by batch size"
 timeout 240 $PY -m tlt.cli bench speculative --device cuda --repeats 3 --prompts 8 \
-    --strategies off,chain-d4,tree-d4-k4-v16,tree-d6-k4-v24,tree-d8-k4-v48,ngram-d4 \
+    --strategies off,tree-d4-k2-v8,tree-d4-k4-v16,tree-d6-k4-v24,ngram-d4 \
     --json "$OUT/speculative.json" 2>&1 | tail -25 | tee "$OUT/speculative.log" || status=1
 
 step "rollout, 16 prompts x 8 samples"
 timeout 180 $PY -m tlt.cli bench rollout --device cuda --repeats 3 --adaptive \
     --strategies tree-d4-k4-v16,tree-d6-k4-v24,chain-d4 --json "$OUT/rollout.json" \
     --plot "$OUT/rollout.png" 2>&1 | tail -20 | tee "$OUT/rollout.log" || status=1
+
+step "rollout in bf16 (what GPU rollouts run) beside float32 plain decoding"
+timeout 120 $PY -m tlt.cli bench rollout --device cuda --repeats 3 --adaptive --skip-hf --dtype bfloat16 \
+    --baseline-dtype float32 --strategies tree-d4-k2-v8 --json "$OUT/rollout_bf16.json" \
+    --plot "$OUT/rollout_bf16.png" 2>&1 | tail -20 | tee "$OUT/rollout_bf16.log" || status=1
 
 step "GRPO end to end, off vs tlt, in-process engine on the GPU"
 timeout 150 $PY -m tlt.cli bench e2e --steps 6 --workers 1 --json "$OUT/e2e.json" --out "$OUT/e2e" \
