@@ -47,3 +47,12 @@ def paired(runs: list[dict] | None, base: list[dict] | None, speed: Callable[[di
     if not runs or not base or len(runs) != len(base):
         return None
     return statistics.median(speed(r) / speed(b) for r, b in zip(runs, base))
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # what `--dtype` and `--baseline-dtype` accept
+
+
+def baseline_name(baseline_dtype: str | None, dtype: str) -> str | None:
+    """The name of the plain-decoding system `--baseline-dtype` adds (`off_<dtype>`), or None when it
+    adds none: not given, or the dtype every other system already runs."""
+    return None if baseline_dtype is None or baseline_dtype == dtype else f"off_{baseline_dtype}"

@@ -38,6 +38,8 @@ import statistics
 import time
 from pathlib import Path
 
+from tlt.bench import DTYPES, baseline_name
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="RL steps of each run")
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", help="the tlt runs' starting drafter: a folder, default, references "
                                           "(trained on reference solutions), random (cold start)")
     parser.add_argument("--runs", default="off,tlt,frozen", help="which runs: off, tlt, frozen (comma-separated)")
-    parser.add_argument("--baseline-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    parser.add_argument("--baseline-dtype", choices=DTYPES, default=None,
                         help="also run plain decoding with rollout weights in this dtype (run `off_<dtype>`), the "
                              "baseline to beat where the shared rollout_dtype's plain decoding is not the fastest")
     parser.add_argument("--json", help="write config, per-step rows, curves and ratios here")
@@ -102,9 +104,8 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
                    "tlt": dataclasses.replace(base, speculative=tlt_mode),
                    "frozen": dataclasses.replace(base, speculative=tlt_mode, drafter_train="off")}
     configs = {name: all_configs[name] for name in runs if name != "frozen" or trains}
-    baseline = None
-    if baseline_dtype is not None and baseline_dtype != base.rollout_dtype:
-        baseline = f"off_{baseline_dtype}"
+    baseline = baseline_name(baseline_dtype, base.rollout_dtype)
+    if baseline is not None:
         configs[baseline] = dataclasses.replace(base, speculative="off", rollout_dtype=baseline_dtype, old_logprobs=(
             "rollout" if baseline_dtype == "float32" else "recompute"))
     trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}

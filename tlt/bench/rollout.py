@@ -18,9 +18,9 @@ every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose 
 from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first).
 `adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
 (beside `--plot`, its name + `_strategy`) shows which strategy the adaptive engine ran at each live
-batch size. Each `--adaptive-arms A,B,...`
-adds an adaptive engine whose tuner competes over those arms only (`tlt_adaptive:A+B+...`), to choose
-a workload's arm set by measurement: its ratios are `adaptive:A+B+..._vs_off` and `_vs_best_fixed`.
+batch size. Each `--adaptive-arms A,B,...` adds an adaptive engine whose tuner competes over those
+arms only (`tlt_adaptive:A+B+...`), to choose a workload's arm set by measurement: its ratios are
+`adaptive:A+B+..._vs_off` and `_vs_best_fixed`.
 
 Where the time goes: each tlt system's decode steps are split by live batch size into the tuner's
 buckets: `bucket_seconds` and `bucket_tokens_per_s` (tokens emitted per second of those steps), medians
@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from tlt.bench import paired, rotation
+from tlt.bench import DTYPES, baseline_name, paired, rotation
 from tlt.device import synchronize
 
 
@@ -62,9 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
     parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the weights' dtype for every system, tlt's and transformers' alike")
-    parser.add_argument("--baseline-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    parser.add_argument("--baseline-dtype", choices=DTYPES, default=None,
                         help="also run plain decoding with weights in this dtype (system `off_<dtype>`), the "
                              "baseline to beat where --dtype's plain decoding is not the fastest")
     parser.add_argument("--json", help="write config, rows and ratios here")
@@ -269,9 +269,8 @@ def run(args: argparse.Namespace) -> int:
     for name, tuner in adaptive.items():
         config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner)
         systems[name] = carried_tuner(lambda r, state, config=config: run_tlt(model, prompts, args, r, config, state))
-    baseline = None
-    if args.baseline_dtype is not None and args.baseline_dtype != args.dtype:
-        baseline = f"off_{args.baseline_dtype}"
+    baseline = baseline_name(args.baseline_dtype, args.dtype)
+    if baseline is not None:
         other = load_model(folder, dtype=args.baseline_dtype, device=device)
         systems[baseline] = lambda r: run_tlt(other, prompts, args, r)
     if not args.skip_hf:

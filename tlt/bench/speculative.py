@@ -32,12 +32,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tlt.bench import paired, rotation
+from tlt.bench import DTYPES, baseline_name, paired, rotation
 from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
 from tlt.device import synchronize
 
-DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("off", "chain-d4", "tree-d6-k4-v24", "tree-d8-k4-v48", "ngram-d4")
 ASSISTANT_LAYERS = 2
 HF = "hf"
@@ -191,9 +190,8 @@ def measure(
         return lambda batch, n, r: run_engine(model, drafter, batch, strategy, temperature, n, r)
 
     systems = {s: engine_system(s) for s in strategies}
-    baseline = None
-    if baseline_dtype is not None and baseline_dtype != dtype:
-        baseline = f"off_{baseline_dtype}"
+    baseline = baseline_name(baseline_dtype, dtype)
+    if baseline is not None:
         other = load_model(folder, dtype=baseline_dtype, device=device)
         systems[baseline] = lambda batch, n, r: run_engine(other, None, batch, "off", temperature, n, r)
     hf_systems, errors = {}, {}
@@ -247,7 +245,8 @@ def measure(
         "model": str(model_path), "drafter": str(drafter_path) if needs_drafter else None,
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
-        "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "baseline_dtype": baseline_dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "baseline_dtype": baseline_dtype,
+        "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
     }
     return {"config": config, "rows": rows, "ratios": make_ratios(rows, strategies, baseline)}
@@ -267,6 +266,7 @@ def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]
         rows.append({"batch": 1, "strategy": name, "error": error, "wall_s": None, "tokens": None,
                      "tokens_per_s": None, "acceptance_length": None})
     off = {r["batch"]: r["tokens_per_s"] for r in rows if r["strategy"] == "off"}
+    other = {r["batch"]: r["tokens_per_s"] for r in rows if r["strategy"] == baseline}
     for row in rows:
         if row["strategy"] == HF_ASSISTED:
             row["assistant"] = ASSISTANT
@@ -274,8 +274,8 @@ def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]
         row["speedup_vs_off"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
         row["paired_vs_off"] = paired(results.get((row["batch"], row["strategy"])), results.get((row["batch"], "off")))
         if baseline is not None:
-            other = next((r["tokens_per_s"] for r in rows if r["batch"] == row["batch"] and r["strategy"] == baseline), None)
-            row[f"speedup_vs_{baseline}"] = row["tokens_per_s"] / other if row["tokens_per_s"] is not None and other else None
+            base = other.get(row["batch"])
+            row[f"speedup_vs_{baseline}"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
             row[f"paired_vs_{baseline}"] = paired(results.get((row["batch"], row["strategy"])),
                                                   results.get((row["batch"], baseline)))
     rows.sort(key=lambda r: r["batch"])
