@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tlt.bench import comma_list
+from tlt.model.checkpoint import DTYPE_NAMES
+
 DEFAULT_SYSTEMS = ("off", "chain-d4", "tree-d4-k4-v16", "ngram-d4", "adaptive")
 LOGIT_BUDGET = 1 << 26  # logits (floats) one teacher-forced forward may hold
 POSITION_BUDGET = 1 << 22  # vocabulary entries of the per-position statistics held at once
@@ -218,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1e-3, help="a p-value at or below this fails")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="the weights' dtype, as the rollout engine will run them")
     parser.add_argument("--json", default=None, help="also write the settings and every verdict here")
 
@@ -272,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = comma_list(args.systems)
     for s in systems:
         if s not in ("off", "adaptive"):
             try:

@@ -30,6 +30,11 @@ def run(args: argparse.Namespace) -> int:
     return importlib.import_module(args._bench).run(args)
 
 
+def comma_list(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated option value."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def rotation(names: Sequence, repeat: int) -> list:
     """The order in which repeat `repeat` runs the systems `names`: rotated by one each repeat, so no
     system always runs first or last while the machine's speed drifts."""
@@ -48,8 +53,6 @@ def paired(runs: list[dict] | None, base: list[dict] | None, speed: Callable[[di
         return None
     return statistics.median(speed(r) / speed(b) for r, b in zip(runs, base))
 
-
-DTYPES = ("float32", "bfloat16", "float16")  # what `--dtype` and `--baseline-dtype` accept
 
 
 def baseline_name(baseline_dtype: str | None, dtype: str) -> str | None:

@@ -38,7 +38,8 @@ import statistics
 import time
 from pathlib import Path
 
-from tlt.bench import DTYPES, baseline_name
+from tlt.bench import baseline_name
+from tlt.model.checkpoint import DTYPE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", help="the tlt runs' starting drafter: a folder, default, references "
                                           "(trained on reference solutions), random (cold start)")
     parser.add_argument("--runs", default="off,tlt,frozen", help="which runs: off, tlt, frozen (comma-separated)")
-    parser.add_argument("--baseline-dtype", choices=DTYPES, default=None,
+    parser.add_argument("--baseline-dtype", choices=DTYPE_NAMES, default=None,
                         help="also run plain decoding with rollout weights in this dtype (run `off_<dtype>`), the "
                              "baseline to beat where the shared rollout_dtype's plain decoding is not the fastest")
     parser.add_argument("--json", help="write config, per-step rows, curves and ratios here")

@@ -41,8 +41,9 @@ import sys
 import time
 from pathlib import Path
 
-from tlt.bench import DTYPES, baseline_name, paired, rotation
+from tlt.bench import baseline_name, comma_list, paired, rotation, tokens_per_s
 from tlt.device import synchronize
+from tlt.model.checkpoint import DTYPE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
     parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="the weights' dtype for every system, tlt's and transformers' alike")
-    parser.add_argument("--baseline-dtype", choices=DTYPES, default=None,
+    parser.add_argument("--baseline-dtype", choices=DTYPE_NAMES, default=None,
                         help="also run plain decoding with weights in this dtype (system `off_<dtype>`), the "
                              "baseline to beat where --dtype's plain decoding is not the fastest")
     parser.add_argument("--json", help="write config, rows and ratios here")
@@ -109,7 +110,7 @@ def adaptive_arms(text: str) -> tuple[str, ...]:
     from tlt.adaptive.tuner import TunerConfig
     from tlt.errors import ConfigError
 
-    arms = tuple(a.strip() for a in text.split(",") if a.strip())
+    arms = tuple(comma_list(text))
     try:
         TunerConfig(arms=arms)
     except ConfigError as exc:
@@ -123,7 +124,7 @@ def fixed_strategies(text: str) -> list[str]:
     from tlt.errors import ConfigError
     from tlt.speculative.strategy import Strategy
 
-    names = [x.strip() for x in text.split(",") if x.strip()]
+    names = comma_list(text)
     for name in names:
         try:
             if Strategy.parse(name).kind == "off":
@@ -228,7 +229,7 @@ def bucket_medians(per_repeat: list[dict]) -> dict[str, dict]:
 def summarize(runs: list[dict]) -> dict:
     wall = statistics.median(r["wall_s"] for r in runs)
     tokens = statistics.median(r["tokens"] for r in runs)
-    out = {"wall_s": wall, "tokens": tokens, "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+    out = {"wall_s": wall, "tokens": tokens, "tokens_per_s": statistics.median(map(tokens_per_s, runs)),
            "runs_wall_s": [r["wall_s"] for r in runs]}
     accepted = [r["acceptance_length"] for r in runs if r.get("acceptance_length") is not None]
     if accepted:

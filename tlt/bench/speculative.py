@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tlt.bench import DTYPES, baseline_name, paired, rotation
+from tlt.bench import baseline_name, comma_list, paired, rotation
 from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
 from tlt.device import synchronize
+from tlt.model.checkpoint import DTYPE_NAMES
 
 STRATEGIES = ("off", "chain-d4", "tree-d6-k4-v24", "tree-d8-k4-v48", "ngram-d4")
 ASSISTANT_LAYERS = 2
@@ -46,15 +47,11 @@ ASSISTANT = (f"the target's first {ASSISTANT_LAYERS} decoder layers with its emb
              "(no separate small model exists)")
 
 
-def _names(text: str) -> list[str]:
-    return [s.strip() for s in text.split(",") if s.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model folder or built-in name")
     parser.add_argument("--drafter", default="default", help="drafter folder or 'default'")
     parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 4, 16, 64], metavar="B,B,...")
-    parser.add_argument("--strategies", type=_names, default=list(STRATEGIES), metavar="S,S,...",
+    parser.add_argument("--strategies", type=comma_list, default=list(STRATEGIES), metavar="S,S,...",
                         help="strategy names; 'off' (plain decoding) is the baseline and must be included")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=_positive_int, default=640)
@@ -64,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts per run at each batch size (at least the batch size), as consecutive batches")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="the weights' dtype for every system, tlt's and transformers' alike")
-    parser.add_argument("--baseline-dtype", choices=DTYPES, default=None,
+    parser.add_argument("--baseline-dtype", choices=DTYPE_NAMES, default=None,
                         help="also run plain decoding with weights in this dtype (`off_<dtype>`, at every batch size)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
@@ -186,14 +183,13 @@ def measure(
     prompts = [tokenizer.encode(p.prompt) for p in problems]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    def engine_system(strategy: str):
-        return lambda batch, n, r: run_engine(model, drafter, batch, strategy, temperature, n, r)
+    def engine_system(strategy: str, target=model):
+        return lambda batch, n, r: run_engine(target, drafter, batch, strategy, temperature, n, r)
 
     systems = {s: engine_system(s) for s in strategies}
     baseline = baseline_name(baseline_dtype, dtype)
     if baseline is not None:
-        other = load_model(folder, dtype=baseline_dtype, device=device)
-        systems[baseline] = lambda batch, n, r: run_engine(other, None, batch, "off", temperature, n, r)
+        systems[baseline] = engine_system("off", load_model(folder, dtype=baseline_dtype, device=device))
     hf_systems, errors = {}, {}
     scratch = tempfile.TemporaryDirectory(prefix="tlt-bench-speculative-")
     with scratch, torch.inference_mode():
@@ -265,19 +261,16 @@ def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str]
     for name, error in errors.items():
         rows.append({"batch": 1, "strategy": name, "error": error, "wall_s": None, "tokens": None,
                      "tokens_per_s": None, "acceptance_length": None})
-    off = {r["batch"]: r["tokens_per_s"] for r in rows if r["strategy"] == "off"}
-    other = {r["batch"]: r["tokens_per_s"] for r in rows if r["strategy"] == baseline}
+    references = ["off"] + ([baseline] if baseline is not None else [])
+    speed = {ref: {r["batch"]: r["tokens_per_s"] for r in rows if r["strategy"] == ref} for ref in references}
     for row in rows:
         if row["strategy"] == HF_ASSISTED:
             row["assistant"] = ASSISTANT
-        base = off.get(row["batch"])
-        row["speedup_vs_off"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
-        row["paired_vs_off"] = paired(results.get((row["batch"], row["strategy"])), results.get((row["batch"], "off")))
-        if baseline is not None:
-            base = other.get(row["batch"])
-            row[f"speedup_vs_{baseline}"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
-            row[f"paired_vs_{baseline}"] = paired(results.get((row["batch"], row["strategy"])),
-                                                  results.get((row["batch"], baseline)))
+        runs = results.get((row["batch"], row["strategy"]))
+        for ref in references:
+            base = speed[ref].get(row["batch"])
+            row[f"speedup_vs_{ref}"] = row["tokens_per_s"] / base if row["tokens_per_s"] is not None and base else None
+            row[f"paired_vs_{ref}"] = paired(runs, results.get((row["batch"], ref)))
     rows.sort(key=lambda r: r["batch"])
     return rows
 

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from tlt.bench import rotation
+from tlt.bench import comma_list, rotation
 
 SYSTEMS = ("trl", "trl+tlt_off", "trl+tlt")
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 2:
         raise ConfigError("--steps must be >= 2: the first step of a run is a warm-up")
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = comma_list(args.systems)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or "trl" not in systems:
         raise ConfigError(f"--systems: expected some of {list(SYSTEMS)} including trl, got {systems}")

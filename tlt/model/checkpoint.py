@@ -26,6 +26,7 @@ from tlt.model.transformer import Transformer
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_MODELS = {"default": ASSETS / "default"}
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the spellings options and config fields offer
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 

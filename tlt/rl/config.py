@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tlt.adaptive.tuner import DEFAULT_ARMS
 from tlt.errors import ConfigError
+from tlt.model.checkpoint import DTYPE_NAMES
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class TrainConfig:
                 raise ConfigError(f"field {name!r} must be an integer >= 0, got {value!r}")
         choices = {"speculative": ("off", "on", "adaptive"), "old_logprobs": ("rollout", "recompute"),
                    "lr_schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16"),
-                   "rollout_dtype": ("float32", "bfloat16", "float16"),
+                   "rollout_dtype": DTYPE_NAMES,
                    "aggregation": ("token", "sequence")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
