@@ -10,7 +10,8 @@ from tlt.errors import ConfigError
 from tlt.model import ModelConfig, Transformer
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.data import DraftRecord, collect, fill_rows, pack, record_pairs, records_from_texts
-from tlt.speculative.train import DrafterTrainConfig, acceptance_top1, eagle_loss, train_drafter, unrolled_loss
+from tlt.speculative.train import (DrafterTrainConfig, acceptance_top1, eagle_loss, held_out_acceptance, train_drafter,
+                                   unrolled_loss)
 
 QUIET = dict(log=lambda line: None)
 
@@ -102,6 +103,25 @@ def test_drafter_learns_the_next_token_of_a_bigram_target():
     after = acceptance_top1(drafter, held_out)
     assert before < 0.3 and after > 0.95, (before, after)
     assert metrics["feature_loss"] < 0.05 and metrics["token_kl"] < 0.05
+
+
+def test_held_out_acceptance_is_paired_and_rises_with_training():
+    """The held-out acceptance of `tlt train-drafter` runs a target-only tree on the very samples
+    `collect` draws for the same prompts and seeds, so before and after are measured on one set of
+    responses; a drafter that learned the bigram target's successor is accepted more often."""
+    model, _ = bigram_target()
+    train = collect(model, None, [[1, 2, 3]] * 16, samples_per_prompt=4, temperature=1.0, max_tokens=48, seed=0)
+    prompts = [[4, 5], [6], [7, 8, 9]]
+    held_out = collect(model, None, prompts, samples_per_prompt=2, temperature=1.0, max_tokens=40, seed=1)
+    fresh = Drafter.from_target(model, seed=0)
+    before, before_ids = held_out_acceptance(fresh, None, prompts, 2, 1.0, 40, seed=1)
+    drafter, _ = train_drafter(model, train, small_config(steps=120, batch_tokens=256, window=64),
+                               Drafter.from_target(model, seed=0), **QUIET)
+    after, after_ids = held_out_acceptance(drafter, None, prompts, 2, 1.0, 40, seed=1)
+    assert before_ids == after_ids == [r.tokens.tolist() for r in held_out]
+    assert 1.0 <= before < after <= 5.0 and after > before + 0.2, (before, after)
+    with pytest.raises(ConfigError, match="target-only"):
+        held_out_acceptance(drafter, None, prompts, 2, 1.0, 40, seed=1, strategy="chain-d4")
 
 
 def test_eagle_loss_is_zero_at_the_optimum_and_positive_elsewhere():
@@ -236,6 +256,9 @@ def test_cli_writes_a_loadable_drafter_and_its_recipe(tiny_model, tmp_path):
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["config"]["steps"] == 3 and recipe["metrics"]["step"] == 3
     assert "held_out_top1" in recipe["metrics"] and recipe["command"].startswith("tlt ")
+    metrics = recipe["metrics"]
+    assert metrics["held_out_strategy"] == "tree-d4-k2-v8"
+    assert 1.0 <= metrics["held_out_acceptance_before"] <= 5.0 and 1.0 <= metrics["held_out_acceptance"] <= 5.0
     from tlt.model import load_model
 
     Drafter.load(out, load_model(tmp_path / "model"))

@@ -104,6 +104,16 @@ def records_from_ids(
     return records
 
 
+def generation_params(prompts: int, samples_per_prompt: int, temperature: float, max_tokens: int, seed: int,
+                      hidden: bool = False) -> list:
+    """The sampling parameters `collect` draws with, one per prompt: a run with the same ones and a
+    target-only speculative strategy draws the very same responses."""
+    from tlt.rollout import SamplingParams
+
+    return [SamplingParams(n=samples_per_prompt, temperature=temperature, max_tokens=max_tokens,
+                           seed=seed * 1_000_003 + i, return_hidden_states=hidden) for i in range(prompts)]
+
+
 def collect(
     target, tokenizer, prompts: Sequence[str | list[int]], samples_per_prompt: int = 4,
     temperature: float = 1.0, max_tokens: int = 768, seed: int = 0, output_layers: Sequence[int] = (),
@@ -111,12 +121,11 @@ def collect(
     """The target's own generations as records; responses of fewer than 2 tokens give no pair and are
     dropped. `output_layers` (an EAGLE-3 drafter's `output_layers`) recomputes the features with one
     target forward that also keeps those layers; otherwise the engine's features are used as they are."""
-    from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from tlt.rollout import EngineConfig, RolloutEngine
 
     engine = RolloutEngine(target, tokenizer, EngineConfig(progress=False))
-    params = [SamplingParams(n=samples_per_prompt, temperature=temperature, max_tokens=max_tokens,
-                             seed=seed * 1_000_003 + i, return_hidden_states=not output_layers)
-              for i in range(len(prompts))]
+    params = generation_params(len(prompts), samples_per_prompt, temperature, max_tokens, seed,
+                               hidden=not output_layers)
     done = [(out.prompt_token_ids, c) for out in engine.generate(prompts, params) for c in out.outputs
             if len(c.token_ids) >= 2]
     if output_layers:

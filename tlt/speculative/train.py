@@ -210,6 +210,33 @@ def acceptance_top1(drafter, records: list[DraftRecord], rows: int = 8) -> float
     return agree / total
 
 
+def check_target_only(strategy: str, what: str) -> None:
+    from tlt.speculative.strategy import Strategy
+
+    if Strategy.parse(strategy).kind not in ("tree", "ngram"):
+        raise ConfigError(f"{what} must be a target-only strategy (tree or ngram), got {strategy!r}")
+
+
+def held_out_acceptance(drafter, tokenizer, prompts, samples_per_prompt: int, temperature: float,
+                        max_tokens: int, seed: int, strategy: str = "tree-d4-k2-v8") -> tuple[float, list[list[int]]]:
+    """(acceptance length, the responses' token ids) of speculative decoding with `drafter` under
+    `strategy` on `prompts`, drawn with `collect`'s sampling parameters for the same arguments.
+
+    Teacher-forced top-1 judges one draft token from the true feature; drafting deeper feeds the
+    drafter its own predicted features, which top-1 does not see (on the default model the reference-
+    solution drafter agrees more often at top-1 than the default drafter, 0.837 against 0.811, and
+    accepts 3.09 tokens per tree-d4-k2-v8 step against 3.79). With a target-only strategy (trees,
+    n-gram) every token is drawn with plain sampling's own uniform, so two drafters measured on the
+    same prompts and seeds draw the same responses: the comparison is paired."""
+    from tlt.rollout import EngineConfig, RolloutEngine
+    from tlt.speculative.data import generation_params
+
+    check_target_only(strategy, "held-out acceptance")
+    engine = RolloutEngine(drafter.target, tokenizer, EngineConfig.named(strategy, drafter, progress=False))
+    outs = engine.generate(prompts, generation_params(len(prompts), samples_per_prompt, temperature, max_tokens, seed))
+    return engine.stats()["acceptance_length"], [list(c.token_ids) for o in outs for c in o.outputs]
+
+
 # --- command line ----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="target model folder or built-in name")
@@ -223,6 +250,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=768)
     parser.add_argument("--eval-prompts", type=int, default=32, help="eval-split problems for acceptance")
+    parser.add_argument("--eval-strategy", default="tree-d4-k2-v8",
+                        help="target-only strategy whose acceptance length on the held-out prompts is reported "
+                             "before and after training ('none': top-1 agreement only)")
     parser.add_argument("--dataset", help="JSONL or Parquet prompts (verl or TRL layout, chat prompts through the "
                                           "tokenizer's template) instead of the built-in task")
     parser.add_argument("--eval-dataset", help="held-out prompts (default: the --eval-prompts rows after the "
@@ -311,15 +341,29 @@ def run(args: argparse.Namespace) -> int:
         return collect(target, tokenizer, prompts, args.samples, args.temperature, args.max_tokens, c.seed,
                        drafter.output_layers)
 
+    def accepted() -> float:
+        eval_prompts = sources["eval"][0]
+        length, _ = held_out_acceptance(drafter, tokenizer, eval_prompts, args.samples, args.temperature,
+                                        args.max_tokens, c.seed, args.eval_strategy)
+        return round(length, 4)
+
+    if args.eval_strategy != "none":
+        check_target_only(args.eval_strategy, "--eval-strategy (or 'none')")
     start = time.time()
     # Held-out agreement is always measured on the target's own samples: what drafting will meet.
     records, held_out = gather("train", args.data), gather("eval")
     print(f"collected {len(records)} responses, {sum(len(r.tokens) - 1 for r in records)} pairs "
           f"(+{len(held_out)} held out) in {time.time() - start:.0f}s")
     before = acceptance_top1(drafter, held_out)
+    accepted_before = accepted() if args.eval_strategy != "none" else None
     drafter, metrics = train_drafter(target, records, c, drafter)
     metrics.update(held_out_top1_before=round(before, 4), held_out_top1=round(acceptance_top1(drafter, held_out), 4))
     print(f"held-out top-1 agreement {before:.3f} -> {metrics['held_out_top1']:.3f}")
+    if accepted_before is not None:
+        metrics.update(held_out_strategy=args.eval_strategy, held_out_acceptance_before=accepted_before,
+                       held_out_acceptance=accepted())
+        print(f"held-out acceptance length ({args.eval_strategy}, the same samples before and after) "
+              f"{accepted_before:.3f} -> {metrics['held_out_acceptance']:.3f}")
     drafter.config = dataclasses.replace(drafter.config, target_name=str(args.model))  # names its target
     drafter.save(args.out)
     data = {"model": args.model, "data": args.data, "from_drafter": args.from_drafter, "prompts": args.prompts,
