@@ -247,6 +247,64 @@ def test_preemption_is_honoured_within_one_optimizer_step(target, records):
     assert idle.steps == 0 and trainer.version == 1
 
 
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_a_stop_inside_a_step_drops_that_step_and_keeps_the_last_whole_one(target, records, unroll):
+    """The stop is checked between training-time-test rounds and as gradients arrive: a stop seen there
+    ends the phase with the weights and optimizer state of the steps completed before it, bit for bit."""
+    c = small(unroll=unroll)
+    reference = SpotTrainer(Drafter.from_target(target, seed=0), small(unroll=unroll, max_steps=1))
+    reference.train(batches_of(records, c), lambda: False)
+
+    def counting(limit):
+        calls = {"n": 0}
+
+        def should_stop():
+            calls["n"] += 1
+            return calls["n"] > limit
+        return should_stop, calls
+
+    probe, calls = counting(10**9)
+    SpotTrainer(Drafter.from_target(target, seed=0), small(unroll=unroll, max_steps=1)).train(batches_of(records, c), probe)
+    checks_per_step = calls["n"] - 1  # the loop checks once before the step
+    assert checks_per_step >= 2 * unroll  # parameters' gradients, plus the rounds after the first
+    for limit, whole_steps in ((2, 0), (1 + checks_per_step + 2, 1)):  # inside step 1; inside step 2
+        trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
+        should_stop, _ = counting(limit)
+        result = trainer.train(batches_of(records, c), should_stop)
+        assert result.stopped == "stop" and result.steps == whole_steps == trainer.steps
+        assert all(p.grad is None for p in trainer.drafter.parameters())
+        want = reference.drafter if whole_steps else Drafter.from_target(target, seed=0)
+        assert all(torch.equal(a, b) for a, b in zip(trainer.drafter.state_dict().values(), want.state_dict().values()))
+        assert trainer.version == whole_steps and len(trainer.optimizer.state) == (len(reference.optimizer.state) if whole_steps else 0)
+        # the hooks are gone with the phase: a later backward through the drafter is not interrupted
+        assert not trainer.drafter.fc.weight._backward_hooks
+
+
+def test_a_stop_mid_step_is_honoured_within_part_of_the_step(target, records):
+    """An unrolled step over a large batch takes long; a stop requested in the middle of one ends the
+    phase well before that step would have finished."""
+    c = small(batch_tokens=2048, rows=4, window=64, unroll=3)
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
+    timing = SpotTrainer(Drafter.from_target(target, seed=0), small(batch_tokens=2048, rows=4, window=64, unroll=3, max_steps=3))
+    start = time.perf_counter()
+    timing.train(batches_of(records, c), lambda: False)
+    step_s = (time.perf_counter() - start) / 3
+    stop, requested = threading.Event(), {}
+
+    def request_stop():
+        time.sleep(step_s * 0.1)  # early in the second step
+        requested["t"] = time.perf_counter()
+        stop.set()
+
+    def after_step(steps: int) -> None:
+        if steps == 1:
+            threading.Thread(target=request_stop).start()
+
+    result = trainer.train(batches_of(records, c), stop.is_set, lambda: requested.get("t"), after_step)
+    assert result.stopped == "stop" and result.steps == 1
+    assert result.stop_latency_s is not None and result.stop_latency_s < 0.5 * step_s, (result.stop_latency_s, step_s)
+
+
 # --- checkpoints -----------------------------------------------------------------------------------
 def test_async_checkpoint_round_trip(tmp_path, target, records):
     c = small(max_steps=3)

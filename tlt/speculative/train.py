@@ -23,6 +23,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,14 +113,18 @@ def true_features(drafter, batch: PackedBatch) -> torch.Tensor:
     return drafter.target_features(batch.inputs, layer_states)
 
 
-def unrolled_loss(drafter, batch: PackedBatch, c: DrafterTrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """The EAGLE loss averaged over `c.unroll` training-time-test rounds (see the module docstring)."""
+def unrolled_loss(drafter, batch: PackedBatch, c: DrafterTrainConfig,
+                  between_rounds: Callable[[], None] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The EAGLE loss averaged over `c.unroll` training-time-test rounds (see the module docstring).
+    `between_rounds()` runs before each round after the first (the spot trainer's stop check)."""
     with torch.no_grad():
         target_logits = drafter.target.lm_head(batch.targets)  # [R, L, V]
     f_true = true_features(drafter, batch)  # [R, L, H]
     starts = (batch.positions == 0)[..., None]  # [R, L, 1] first pair of each window
     features, losses, metrics = f_true, [], {}
     for r in range(1, c.unroll + 1):
+        if r > 1 and between_rounds is not None:
+            between_rounds()
         f_hat, logits = drafter(batch.tokens, features, batch.positions, attention_mask=batch.mask)  # [R, L, H/V]
         loss, m = eagle_loss(f_hat, batch.targets, logits, target_logits, batch.mask,
                              c.feature_weight, c.token_weight)

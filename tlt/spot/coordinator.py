@@ -11,8 +11,8 @@ A worker is released when its share is generated. If other workers are still gen
 tail) and training is due, the first released worker becomes the spot trainer; others go straight to
 DONE (one trainer at a time: the drafter is small, and a second one would need data-parallel
 training to share its updates). When the last worker finishes, rollout is over: the trainer is asked
-to stop, and it stops within one optimizer step. Every transition is checked, so an impossible event
-(a result from a worker that was never started) is a loud error rather than a silently wrong rollout.
+to stop, and it stops within part of one optimizer step. Every transition is checked, so an impossible
+event (a result from a worker that was never started) is a loud error rather than a silently wrong rollout.
 The timeline (worker, state, time) is kept for the metrics: idle and training seconds per worker.
 """
 

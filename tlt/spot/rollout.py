@@ -24,7 +24,7 @@ from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, run_phas
 from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
 
 
-STOP_TIMEOUT_S = 120.0  # a stopped spot trainer returns within one optimizer step; this only catches a hang
+STOP_TIMEOUT_S = 120.0  # a stopped spot trainer returns within part of one optimizer step; this only catches a hang
 
 
 class DrafterLearning:

@@ -1,9 +1,12 @@
 """The spot trainer: drafter training in the idle time of rollout workers, stopped the moment rollout ends.
 
 `SpotTrainer.train(batches, should_stop)` takes optimizer steps on the EAGLE loss (speculative/train.py)
-until `should_stop()` turns true, checking before every step. So a stop request is honoured within one
-optimizer step, the bound the coordinator relies on to never delay the next RL step; `max_steps` caps
-a phase on top. The state that moves between workers (`state_dict`) is the drafter's trainable
+until `should_stop()` turns true. It is checked before every step and inside the step in flight:
+between training-time-test rounds and as each trainable parameter's gradient arrives in the backward
+pass. A step stopped inside is dropped (gradients cleared, no update), so the weights are always those
+of a whole number of steps and a stop is honoured within one round's forward or one parameter's share
+of the backward, however long a step is (an unrolled step on one thread takes 1-2.5 s on the default
+model, longer than the policy update the phase must not overlap); `max_steps` caps a phase on top. The state that moves between workers (`state_dict`) is the drafter's trainable
 weights, the optimizer state and the counters: the target's embedding and head are never part of it.
 
 When to train (`Schedule`): "every" RL step, "every-N" (`every` steps apart), or "acceptance" (the
@@ -154,6 +157,10 @@ class PhaseResult:
     metrics: dict = field(default_factory=dict)
 
 
+class Preempted(Exception):
+    """A stop requested inside an optimizer step: the step is dropped, not applied."""
+
+
 class SpotTrainer:
     def __init__(self, drafter, config: SpotConfig) -> None:
         self.drafter, self.config = drafter, config
@@ -172,6 +179,16 @@ class SpotTrainer:
 
         c, loss_config = self.config, self.config.loss_config()
         device = self.drafter.target.device
+
+        def interrupt() -> None:
+            if should_stop():
+                raise Preempted
+
+        def on_grad(grad: torch.Tensor) -> torch.Tensor:
+            interrupt()
+            return grad
+
+        hooks = [p.register_hook(on_grad) for p in self.drafter.parameters() if p.requires_grad]
         self.drafter.train()
         result, sums = PhaseResult(), {}
         start = time.perf_counter()
@@ -186,9 +203,14 @@ class SpotTrainer:
                 batch = next(batches).to(device, self.drafter.fc.weight.dtype)
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.learning_rate()
-                loss, m = unrolled_loss(self.drafter, batch, loss_config)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                try:
+                    loss, m = unrolled_loss(self.drafter, batch, loss_config, interrupt)
+                    loss.backward()
+                except Preempted:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    result.stopped = "stop"
+                    break
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip)
                 self.optimizer.step()
                 result.steps += 1
@@ -198,6 +220,8 @@ class SpotTrainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
         finally:
+            for hook in hooks:
+                hook.remove()
             self.drafter.eval()
         end = time.perf_counter()
         result.seconds = end - start

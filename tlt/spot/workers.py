@@ -14,8 +14,8 @@ One rollout on the pool:
   3. a finished worker is released (coordinator.py). The responses' target features go into the online
      buffer; if drafter training is due and others still generate, the released worker becomes the
      spot trainer and trains the drafter on the buffer (the trainer state travels to it and back);
-  4. when the last share is in, the trainer is told to stop (it does within one optimizer step); its
-     state is collected before the next rollout, whose workers all start from the newest drafter.
+  4. when the last share is in, the trainer is told to stop (it does within part of one optimizer
+     step); its state is collected before the next rollout, whose workers all start from the newest drafter.
 Faults: a worker that dies mid-rollout (its actor is gone) is replaced by a fresh one, brought to the
 current policy, drafter and tuner state, and its share is generated again. A share's results are
 taken once, whole, from the worker that completed it, so no sample is lost or duplicated, and the
