@@ -60,3 +60,19 @@ def tiny_model():
         return randomize_(Transformer(ModelConfig(**fields)).eval(), 0.1)
 
     return make
+
+
+@pytest.fixture
+def script():
+    """Loads scripts/NAME.py as a module (the scripts are not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

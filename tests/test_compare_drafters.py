@@ -1,25 +1,14 @@
 """scripts/compare_drafters.py: paired acceptance lengths of several drafters on one tiny target."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from tlt.errors import ConfigError
 from tlt.speculative.drafter import Drafter
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_drafters.py"
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("compare_drafters", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_drafters_are_compared_on_the_same_samples(tiny_model, tmp_path):
+def test_drafters_are_compared_on_the_same_samples(tiny_model, tmp_path, script):
     from tlt.tasks import CharTokenizer
 
     tokenizer = CharTokenizer()
@@ -29,7 +18,7 @@ def test_drafters_are_compared_on_the_same_samples(tiny_model, tmp_path):
     for seed in (0, 1):
         Drafter.from_target(model, seed=seed).save(tmp_path / f"d{seed}")
     out = tmp_path / "cmp.json"
-    rc = load_script().main([str(tmp_path / "d0"), str(tmp_path / "d1"), "--model", str(tmp_path / "model"),
+    rc = script("compare_drafters").main([str(tmp_path / "d0"), str(tmp_path / "d1"), "--model", str(tmp_path / "model"),
                              "--strategies", "tree-d3-k2-v6,ngram-d4", "--prompts", "3", "--samples", "2",
                              "--max-tokens", "16", "--threads", "1", "--json", str(out)])
     assert rc == 0
@@ -40,4 +29,4 @@ def test_drafters_are_compared_on_the_same_samples(tiny_model, tmp_path):
     assert d0["ngram-d4"] == d1["ngram-d4"]  # the n-gram drafter ignores the learned one
     assert all(1.0 <= r[s] <= 5.0 for r in table["rows"] for s in ("tree-d3-k2-v6", "ngram-d4"))
     with pytest.raises(ConfigError, match="target-only"):
-        load_script().main([str(tmp_path / "d0"), "--model", str(tmp_path / "model"), "--strategies", "chain-d4"])
+        script("compare_drafters").main([str(tmp_path / "d0"), "--model", str(tmp_path / "model"), "--strategies", "chain-d4"])
