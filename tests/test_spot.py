@@ -31,7 +31,7 @@ def record(n: int, H: int = 4, fill: float = 0.0) -> DraftRecord:
 
 
 def small(**fields) -> SpotConfig:
-    base = dict(when="every", min_pairs=1, lr=3e-3, warmup_steps=0, batch_tokens=128, rows=2, window=32)
+    base = dict(when="every", min_pairs=1, lr=3e-3, warmup_steps=0, batch_tokens=128, rows=2, window=32, unroll=1)
     base.update(fields)
     return SpotConfig(**base)
 

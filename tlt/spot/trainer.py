@@ -64,7 +64,7 @@ class SpotConfig:
     batch_tokens: int = 2048
     rows: int = 4
     window: int = 256
-    unroll: int = 1
+    unroll: int = 3  # training-time-test rounds: deeper draft levels feed the drafter its own features
     feature_weight: float = 1.0
     token_weight: float = 0.1
     grad_clip: float = 1.0
