@@ -56,6 +56,6 @@ def run(args: argparse.Namespace) -> int:
           f"(rollout {ratios['rollout_speedup']:.2f}x; rollout is {ratios['rollout_share_off']:.0%} of an off step)")
     print("(one short run on a shared machine: `tlt bench e2e --steps 20` gives a steadier figure)")
     print(f"same samples as the off run (every response length and the reward) in {result['matching_steps']} "
-          f"of {args.steps} steps: tlt's default arms verify target-only, so it is the same run, faster")
+          f"of {args.steps} steps: tlt's default arms verify target-only, so the two are the same run")
     print(f"wrote {report} and its plots, {out / 'e2e.png'} ({time.perf_counter() - start:.0f}s in all)")
     return 0
