@@ -64,7 +64,7 @@ class TrainConfig:
     drafter_warmup_steps: int = 20  # over the run's first drafter optimizer steps (protects a trained drafter)
     drafter_batch_tokens: int = 2048
     drafter_window: int = 256
-    drafter_unroll: int = 3  # training-time-test rounds of the drafter loss (1 rose no deeper acceptance online)
+    drafter_unroll: int = 3  # training-time-test rounds of the drafter loss (one raised no tree acceptance online)
     drafter_max_steps: int = 0  # optimizer steps per spot phase at most (0: until rollout ends)
     drafter_local_steps: int = 8  # optimizer steps per phase in-process (workers=1: on the critical path)
     drafter_buffer_mb: int = 256

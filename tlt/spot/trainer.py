@@ -4,10 +4,12 @@
 until `should_stop()` turns true. It is checked before every step and inside the step in flight:
 between training-time-test rounds and as each trainable parameter's gradient arrives in the backward
 pass. A step stopped inside is dropped (gradients cleared, no update), so the weights are always those
-of a whole number of steps and a stop is honoured within one round's forward or one parameter's share
-of the backward, however long a step is (an unrolled step on one thread takes 1-2.5 s on the default
-model, longer than the policy update the phase must not overlap); `max_steps` caps a phase on top. The state that moves between workers (`state_dict`) is the drafter's trainable
-weights, the optimizer state and the counters: the target's embedding and head are never part of it.
+of a whole number of steps, and a stop is honoured within one round's forward or one parameter's share
+of the backward however long a step is (three rounds over 2048 pairs take about 0.5 s on one thread on
+the default model, more beside a busy rollout worker, and a phase that ran on would overlap the policy
+update). `max_steps` caps a phase on top. The state that moves between workers (`state_dict`) is the
+drafter's trainable weights, the optimizer state and the counters: the target's embedding and head are
+never part of it.
 
 When to train (`Schedule`): "every" RL step, "every-N" (`every` steps apart), or "acceptance" (the
 default), which trains while the drafter is behind or still learning: when no acceptance length has
