@@ -18,9 +18,10 @@ def test_drafters_are_compared_on_the_same_samples(tiny_model, tmp_path, script)
     for seed in (0, 1):
         Drafter.from_target(model, seed=seed).save(tmp_path / f"d{seed}")
     out = tmp_path / "cmp.json"
-    rc = script("compare_drafters").main([str(tmp_path / "d0"), str(tmp_path / "d1"), "--model", str(tmp_path / "model"),
-                             "--strategies", "tree-d3-k2-v6,ngram-d4", "--prompts", "3", "--samples", "2",
-                             "--max-tokens", "16", "--threads", "1", "--json", str(out)])
+    compare = script("compare_drafters")
+    rc = compare.main([str(tmp_path / "d0"), str(tmp_path / "d1"), "--model", str(tmp_path / "model"),
+                       "--strategies", "tree-d3-k2-v6,ngram-d4", "--prompts", "3", "--samples", "2",
+                       "--max-tokens", "16", "--threads", "1", "--json", str(out)])
     assert rc == 0
     table = json.loads(out.read_text())
     assert [r["drafter"] for r in table["rows"]] == [str(tmp_path / "d0"), str(tmp_path / "d1")]
@@ -29,4 +30,4 @@ def test_drafters_are_compared_on_the_same_samples(tiny_model, tmp_path, script)
     assert d0["ngram-d4"] == d1["ngram-d4"]  # the n-gram drafter ignores the learned one
     assert all(1.0 <= r[s] <= 5.0 for r in table["rows"] for s in ("tree-d3-k2-v6", "ngram-d4"))
     with pytest.raises(ConfigError, match="target-only"):
-        script("compare_drafters").main([str(tmp_path / "d0"), "--model", str(tmp_path / "model"), "--strategies", "chain-d4"])
+        compare.main([str(tmp_path / "d0"), "--model", str(tmp_path / "model"), "--strategies", "chain-d4"])

@@ -211,6 +211,9 @@ def test_chi_square_catches_a_biased_verifier(monkeypatch):
 def test_strategy_names_round_trip_and_validation():
     for name in ("off", "chain-d4", "ngram-d6", "tree-d6-k4-v24"):
         assert Strategy.parse(name).name == name
+    # only verify.walk's strategies draw with plain sampling's uniforms whatever the drafts
+    assert [Strategy.parse(n).target_only for n in ("off", "chain-d4", "ngram-d6", "tree-d6-k4-v24")] == [
+        False, False, True, True]
     with pytest.raises(tlt.ConfigError):
         Strategy.parse("tree-x3")
     with pytest.raises(tlt.ConfigError):

@@ -38,6 +38,12 @@ class Strategy:
         return self.kind in ("chain", "tree")
 
     @property
+    def target_only(self) -> bool:
+        """Verified with plain sampling's own uniform at every position (verify.walk): the samples do not
+        depend on the drafts, so runs with different drafters draw the same responses."""
+        return self.kind in ("tree", "ngram")
+
+    @property
     def name(self) -> str:
         if self.kind == "off":
             return "off"

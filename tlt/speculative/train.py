@@ -218,7 +218,7 @@ def acceptance_top1(drafter, records: list[DraftRecord], rows: int = 8) -> float
 def check_target_only(strategy: str, what: str) -> None:
     from tlt.speculative.strategy import Strategy
 
-    if Strategy.parse(strategy).kind not in ("tree", "ngram"):
+    if not Strategy.parse(strategy).target_only:
         raise ConfigError(f"{what} must be a target-only strategy (tree or ngram), got {strategy!r}")
 
 
@@ -228,11 +228,11 @@ def held_out_acceptance(drafter, tokenizer, prompts, samples_per_prompt: int, te
     `strategy` on `prompts`, drawn with `collect`'s sampling parameters for the same arguments.
 
     Teacher-forced top-1 judges one draft token from the true feature; drafting deeper feeds the
-    drafter its own predicted features, which top-1 does not see (on one draw of the default model's
-    samples the reference-solution drafter agrees more often at top-1 than the default drafter, 0.837
-    against 0.811, and accepts 3.09 tokens per tree-d4-k2-v8 step against 3.79). With a target-only strategy (trees,
-    n-gram) every token is drawn with plain sampling's own uniform, so two drafters measured on the
-    same prompts and seeds draw the same responses: the comparison is paired."""
+    drafter its own predicted features, which top-1 does not see (on the default model the reference-
+    solution drafter agrees more often at top-1 than the default drafter, 0.837 against 0.811 on 128
+    held-out responses, yet accepts 3.09 tokens per tree-d4-k2-v8 step against 3.79 on another draw
+    of 256). A target-only strategy (`Strategy.target_only`) draws the same responses whatever the
+    drafter, so two drafters measured on the same prompts and seeds are compared on paired samples."""
     from tlt.rollout import EngineConfig, RolloutEngine
     from tlt.speculative.data import generation_params
 
@@ -346,28 +346,29 @@ def run(args: argparse.Namespace) -> int:
         return collect(target, tokenizer, prompts, args.samples, args.temperature, args.max_tokens, c.seed,
                        drafter.output_layers)
 
+    eval_strategy = None if args.eval_strategy == "none" else args.eval_strategy
+    if eval_strategy is not None:
+        check_target_only(eval_strategy, "--eval-strategy (or 'none')")
+
     def accepted() -> float:
-        eval_prompts = sources["eval"][0]
-        length, _ = held_out_acceptance(drafter, tokenizer, eval_prompts, args.samples, args.temperature,
-                                        args.max_tokens, c.seed, args.eval_strategy)
+        length, _ = held_out_acceptance(drafter, tokenizer, sources["eval"][0], args.samples, args.temperature,
+                                        args.max_tokens, c.seed, eval_strategy)
         return round(length, 4)
 
-    if args.eval_strategy != "none":
-        check_target_only(args.eval_strategy, "--eval-strategy (or 'none')")
     start = time.time()
     # Held-out agreement is always measured on the target's own samples: what drafting will meet.
     records, held_out = gather("train", args.data), gather("eval")
     print(f"collected {len(records)} responses, {sum(len(r.tokens) - 1 for r in records)} pairs "
           f"(+{len(held_out)} held out) in {time.time() - start:.0f}s")
     before = acceptance_top1(drafter, held_out)
-    accepted_before = accepted() if args.eval_strategy != "none" else None
+    accepted_before = accepted() if eval_strategy else None
     drafter, metrics = train_drafter(target, records, c, drafter)
     metrics.update(held_out_top1_before=round(before, 4), held_out_top1=round(acceptance_top1(drafter, held_out), 4))
     print(f"held-out top-1 agreement {before:.3f} -> {metrics['held_out_top1']:.3f}")
-    if accepted_before is not None:
-        metrics.update(held_out_strategy=args.eval_strategy, held_out_acceptance_before=accepted_before,
+    if eval_strategy:
+        metrics.update(held_out_strategy=eval_strategy, held_out_acceptance_before=accepted_before,
                        held_out_acceptance=accepted())
-        print(f"held-out acceptance length ({args.eval_strategy}, the same samples before and after) "
+        print(f"held-out acceptance length ({eval_strategy}, the same samples before and after) "
               f"{accepted_before:.3f} -> {metrics['held_out_acceptance']:.3f}")
     drafter.config = dataclasses.replace(drafter.config, target_name=str(args.model))  # names its target
     drafter.save(args.out)
