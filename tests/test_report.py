@@ -131,3 +131,15 @@ def test_wandb_missing_names_the_package_and_starts_nothing(tmp_path, monkeypatc
     with pytest.raises(ImportError, match="wandb=true needs the wandb package"):
         MetricsLog(tmp_path, wandb_project="tlt")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_run_on_a_user_dataset_names_the_dataset_not_the_builtin_task(runs, tmp_path, capsys):
+    """report.md showed `task | arithmetic` (the unused default) for a run on a user dataset."""
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "metrics.jsonl").write_text((runs / "on" / "metrics.jsonl").read_text() + '{"step": 3, "rew')
+    config = {**json.loads((runs / "on" / "config.json").read_text()), "dataset": "data/train.jsonl"}
+    (tmp_path / "user" / "config.json").write_text(json.dumps(config))
+    text = write_report(tmp_path / "user").read_text()
+    assert "| dataset | data/train.jsonl |" in text and "| task |" not in text
+    assert "| task | arithmetic |" in write_report(runs / "on").read_text()
+    assert "metrics.jsonl line 4: incomplete last row" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -59,17 +60,11 @@ class Run:
 
 
 def read_rows(path: Path) -> list[dict]:
+    from tlt.rl.metrics import read_metrics
+
     if not path.exists():
         raise ConfigError(f"{path.parent}: not a run directory to report on (no metrics.jsonl)")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if number == len(lines):  # being appended by the live run
-                break
-            raise ConfigError(f"{path} line {number}: not valid JSON ({exc})") from None
+    rows = read_metrics(path, note=lambda message: print(f"tlt report: {message}", file=sys.stderr))
     if not rows:
         raise ConfigError(f"{path}: no metrics rows yet")
     return rows
@@ -304,7 +299,9 @@ def summary(run: Run, figures: dict[str, str], skipped: dict[str, str], compare:
     c = run.config
     lines = [f"# Run report: {run.label}", "", f"Run directory: `{run.dir}`", "", "## Config", "",
              "| field | value |", "|---|---|"]
-    lines += [f"| {k} | {c[k]} |" for k in CONFIG_HIGHLIGHTS if c.get(k) is not None]
+    # A run on a user dataset has the built-in task's default in config.json, but never read it.
+    shown = [k for k in CONFIG_HIGHLIGHTS if c.get(k) is not None and not (k == "task" and c.get("dataset"))]
+    lines += [f"| {k} | {c[k]} |" for k in shown]
     if not c:
         lines.append("| (config.json missing) | |")
     done = run.train[-1]["step"] if run.train else 0

@@ -2,7 +2,8 @@
 
 `metrics.jsonl` holds one object per step, appended and flushed as each step ends. On resume the rows
 past the checkpoint (steps a killed run did not save) are dropped by rewriting the file atomically, so
-the file always describes one consistent run. Scalars go to TensorBoard (RUN_DIR/tensorboard/) and
+the file always describes one consistent run; a last row cut short by a kill during its write is left
+out too (its step is past the checkpoint, since a step's row is written before its checkpoint). Scalars go to TensorBoard (RUN_DIR/tensorboard/) and
 W&B (RUN_DIR/wandb/) under the same names; lists and dicts (the live-batch profile, strategy counts)
 stay in the JSONL. The W&B run id is kept in RUN_DIR/wandb_run.json so a resumed run continues the
 same W&B run; W&B ignores a step it already has, which resume would write again with equal values.
@@ -16,6 +17,7 @@ import json
 import uuid
 from pathlib import Path
 
+from tlt.errors import ConfigError
 from tlt.io import atomic_write_bytes, atomic_write_json
 
 COLUMNS = (  # (header, key, format) of the console table
@@ -35,17 +37,39 @@ COLUMNS = (  # (header, key, format) of the console table
 )
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, note=None) -> list[dict]:
+    """The rows of a metrics.jsonl ([] when there is none). A last line that is not valid JSON was cut
+    short by a kill during its write (or is being appended by a live run): it is left out, and
+    `note(message)` says so. Any other line that is not a JSON object is an error naming it."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                if note is not None:
+                    note(f"{path} line {number}: incomplete last row (a write cut short), left out")
+                break
+            raise ConfigError(f"{path} line {number}: not valid JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ConfigError(f"{path} line {number}: expected a JSON object with an integer 'step'")
+        rows.append(row)
+    return rows
 
 
 class MetricsLog:
-    """`wandb_project` turns W&B on (None: off); `run_config` is the run's config, shown by W&B."""
+    """`wandb_project` turns W&B on (None: off); `run_config` is the run's config, shown by W&B; `log`
+    says when resume leaves out a torn last row."""
 
     def __init__(self, run_dir: Path | None, tensorboard: bool = False, keep_until: int | None = None,
-                 wandb_project: str | None = None, run_config: dict | None = None) -> None:
+                 wandb_project: str | None = None, run_config: dict | None = None, log=print) -> None:
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self.writer = self.wandb = None
         if tensorboard and run_dir is not None:
@@ -58,7 +82,7 @@ class MetricsLog:
             self.wandb = _wandb_run(run_dir, wandb_project, run_config or {})
         self.rows: list[dict] = []
         if self.path is not None and keep_until is not None:
-            self.rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until]
+            self.rows = [r for r in read_metrics(self.path, log) if r["step"] <= keep_until]
             atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
         elif self.path is not None:
             atomic_write_bytes(self.path, b"")
