@@ -1,0 +1,164 @@
+"""The suffix automaton and its draft trees, against brute-force matchers over random token streams."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tlt.speculative.suffix import HISTORY, PROMPT, SAMPLES, Source, SuffixAutomaton, SuffixIndex, draft_tree
+
+streams = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=4)
+
+
+def occurrences(texts, s):
+    """End positions (text, i) of substring s: text[i - len(s):i] == s."""
+    return [(t, i) for t, text in enumerate(texts) for i in range(len(s), len(text) + 1) if text[i - len(s):i] == s]
+
+
+def state_of(sam, s):
+    state = 0
+    for tok in s:
+        state = sam.next[state].get(tok)
+        if state is None:
+            return None
+    return state
+
+
+def substrings(texts, longest=5):
+    return {tuple(text[i:j]) for text in texts for i in range(len(text)) for j in range(i + 1, min(len(text), i + longest) + 1)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(streams)
+def test_every_substring_is_recognised_with_its_count_and_continuations(texts):
+    sam = SuffixAutomaton.of(texts)
+    for s in substrings(texts):
+        state = state_of(sam, s)
+        assert state is not None
+        assert sam.count(state) == len(occurrences(texts, list(s)))
+        followers = {}
+        for t, i in occurrences(texts, list(s)):
+            if i < len(texts[t]):
+                followers[texts[t][i]] = followers.get(texts[t][i], 0) + 1
+        assert {tok: sam.count(child) for tok, child in sam.next[state].items()} == followers
+    assert state_of(sam, [9]) is None  # a token never seen is no substring
+    assert len(sam) <= 2 * max(1, sum(map(len, texts)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(streams, st.lists(st.integers(0, 4), max_size=25))
+def test_advance_tracks_the_longest_suffix_that_occurs(texts, query):
+    sam = SuffixAutomaton.of(texts)
+    state, matched = 0, 0
+    for n in range(1, len(query) + 1):
+        state, matched = sam.advance(state, matched, query[n - 1])
+        brute = max((k for k in range(n + 1) if k == 0 or occurrences(texts, query[n - k:n])), default=0)
+        assert matched == brute
+        assert state == (state_of(sam, query[n - matched:n]) if matched else 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(streams, st.randoms(use_true_random=False))
+def test_interleaved_insertion_equals_one_text_at_a_time(texts, rnd):
+    """The group's samples grow a step at a time, interleaved: the automaton must be that of the texts."""
+    sam, last, done = SuffixAutomaton(), [0] * len(texts), [0] * len(texts)
+    while any(d < len(t) for d, t in zip(done, texts)):
+        i = rnd.choice([i for i, t in enumerate(texts) if done[i] < len(t)])
+        k = rnd.randint(1, 3)
+        last[i] = sam.insert(texts[i][done[i]:done[i] + k], last[i], i, SAMPLES)
+        done[i] = min(len(texts[i]), done[i] + k)
+    ref = SuffixAutomaton.of(texts)
+    for s in substrings(texts):
+        assert sam.count(state_of(sam, s)) == ref.count(state_of(ref, s))
+        assert set(sam.next[state_of(sam, s)]) == set(ref.next[state_of(ref, s)])
+    for i, text in enumerate(texts):  # each text's last state holds the whole text
+        assert sam.length[last[i]] == len(text)
+
+
+@settings(max_examples=40, deadline=None)
+@given(streams, st.integers(1, 6), st.integers(1, 12))
+def test_draft_tree_continues_the_longest_matched_suffix(texts, depth, budget):
+    own = texts[0]
+    sam = SuffixAutomaton.of(texts)
+    last = state_of(sam, own) if own else 0
+    tokens, parents, names, matched = draft_tree([Source(sam, last, len(own), 0)], depth, budget)
+    # The longest suffix of `own` that is followed by something somewhere (brute force).
+    followed = [k for k in range(1, len(own) + 1)
+                if any(i < len(texts[t]) for t, i in occurrences(texts, own[len(own) - k:]))]
+    assert matched == (max(followed) if followed else 0)
+    assert len(tokens) <= budget and all(p <= i for i, p in enumerate(parents))
+    node_depth = [0]
+    for p in parents:
+        node_depth.append(node_depth[p] + 1)
+    assert max(node_depth) <= min(depth, matched)
+    assert len(set(zip(parents, tokens))) == len(tokens)  # no two siblings share a token
+    if matched:
+        context = own[len(own) - matched:]
+        firsts = {texts[t][i] for t, i in occurrences(texts, context) if i < len(texts[t])}
+        assert {tok for tok, p in zip(tokens, parents) if p == 0} <= firsts
+        # The first node is the most frequent continuation of the match.
+        counts = {tok: sum(1 for t, i in occurrences(texts, context) if i < len(texts[t]) and texts[t][i] == tok)
+                  for tok in firsts}
+        assert counts[tokens[0]] == max(counts.values())
+    assert set(names) <= {"self", "siblings"}
+
+
+def test_a_repeated_history_is_drafted_whole_in_one_chain():
+    prompt = [1, 2, 3, 4, 5]  # matched with the first token: 6 tokens, which earn a 6-deep draft
+    history = [[7, 8, 9, 10, 11, 12, 13, 14]]
+    index = SuffixIndex(prompt, history=history)
+    text = prompt + [7]
+    index.add(text, len(prompt))
+    tokens, parents, names, matched = index.tree(text, 16, 32)
+    assert tokens == [8, 9, 10, 11, 12, 13] and parents == [0, 1, 2, 3, 4, 5]
+    assert names == ["history"] * 6 and matched == len(prompt) + 1
+
+
+def test_sources_disagreeing_make_branches_ordered_by_frequency():
+    prompt = [5]
+    index = SuffixIndex(prompt, history=[[1, 2, 3], [1, 2, 4], [1, 2, 4]])
+    text = prompt + [1, 2]
+    index.add(text, len(prompt))
+    tokens, parents, names, _ = index.tree(text, 4, 8)
+    assert tokens[:2] == [4, 3] and parents[:2] == [0, 0]  # 4 followed twice, 3 once
+
+
+def test_per_kind_counts_name_the_source():
+    sam = SuffixAutomaton()
+    p = sam.insert([1, 2], 0, 0, PROMPT)
+    sam.insert([3, 4], p, 1, HISTORY)
+    sam.insert([3, 5], p, 2, SAMPLES)
+    state = state_of(sam, [1, 2, 3])
+    assert [c[state] for c in sam.counts] == [0, 1, 1]
+    assert [c[state_of(sam, [2])] for c in sam.counts] == [1, 0, 0]
+
+
+def test_self_matches_and_the_window_draft_as_their_sources():
+    window = SuffixAutomaton.of([[40, 41, 42, 43]])
+    index = SuffixIndex([9], window=window)
+    text = [9, 20, 21, 22, 20, 21]
+    index.add(text, 1)
+    tokens, _, names, _ = index.tree(text, 3, 3)
+    assert tokens == [22, 20] and names == ["self"] * 2  # a 2-token match earns a 2-deep draft
+    other = [9, 40, 41]
+    index.add(other, 1)
+    tokens, _, names, _ = index.tree(other, 4, 4)
+    assert tokens == [42, 43] and names == ["window", "window"]
+
+
+def test_a_random_group_drafts_fast_enough():
+    """Drafting must stay small next to a decode step: 8 rows x 200 steps on a 4-token alphabet."""
+    import time
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(4) for _ in range(20)]
+    index = SuffixIndex(prompt, history=[[rng.randrange(4) for _ in range(200)]] * 4)
+    texts = [list(prompt) for _ in range(8)]
+    start = time.perf_counter()
+    for step in range(200):
+        for t in texts:
+            old = len(t)
+            t.append(rng.randrange(4))
+            index.add(t, old)
+            index.tree(t, 8, 16)
+    assert time.perf_counter() - start < 5.0
