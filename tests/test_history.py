@@ -1,0 +1,81 @@
+"""The history store: per-prompt responses, bounded in bytes with the oldest evicted first, saved and restored."""
+
+import pytest
+
+from tlt.errors import ConfigError
+from tlt.speculative.history import ENTRY_BYTES, HistoryConfig, HistoryStore, prompt_key
+
+
+def response_bytes(n):
+    return ENTRY_BYTES + 4 * n
+
+
+def test_keeps_the_last_responses_per_prompt_oldest_first():
+    store = HistoryStore(HistoryConfig(responses_per_prompt=3))
+    store.add([1, 2], [[10], [11]], version=0)
+    store.add([1, 2], [[12], [13]], version=1)
+    store.add([3], [[20]], version=1)
+    assert store.responses([1, 2]) == [[11], [12], [13]]
+    assert store.responses([3]) == [[20]] and store.responses([4]) == []
+    assert store.nbytes == 4 * response_bytes(1)
+
+
+def test_evicts_the_oldest_responses_of_the_whole_store_by_bytes():
+    store = HistoryStore(HistoryConfig(responses_per_prompt=10, max_bytes=3 * response_bytes(5)))
+    store.add([1], [[1] * 5, [2] * 5], version=0)
+    store.add([2], [[3] * 5], version=1)
+    assert store.nbytes == 3 * response_bytes(5)
+    store.add([2], [[4] * 5], version=2)  # over the bound: prompt [1]'s oldest response goes
+    assert store.responses([1]) == [[2] * 5] and store.responses([2]) == [[3] * 5, [4] * 5]
+    store.add([3], [[5] * 10], version=3)  # a longer one evicts two
+    assert store.responses([1]) == [] and store.responses([2]) == [[4] * 5]
+    assert store.nbytes == response_bytes(5) + response_bytes(10) <= store.config.max_bytes
+    assert store.stats()["history_prompts"] == 2  # an emptied prompt is forgotten
+
+
+def test_max_age_and_hit_rate():
+    store = HistoryStore(HistoryConfig(max_age=2))
+    store.add([1], [[7]], version=0)
+    store.add([1], [[8]], version=3)
+    assert store.responses([1], version=4) == [[8]] and store.responses([1]) == [[7], [8]]
+    drafts = store.drafts([[1], [9]], version=4)
+    assert drafts.responses == [[[8]], []]
+    assert store.stats()["history_hit_rate"] == 0.5
+    assert drafts.select([1]).responses == [[]]
+
+
+def test_window_holds_the_most_recent_responses_of_any_prompt():
+    store = HistoryStore(HistoryConfig(window=3))
+    store.add([1], [[1], [2]], 0)
+    store.add([2], [[3], [4]], 0)
+    assert store.drafts([[5]]).window == [[2], [3], [4]]
+
+
+def test_state_round_trip_continues_identically():
+    config = HistoryConfig(responses_per_prompt=2, max_bytes=6 * response_bytes(3))
+    store = HistoryStore(config)
+    for step in range(5):
+        store.add([step % 3], [[step, step + 1, step + 2], [9, step, 9]], version=step)
+    restored = HistoryStore(config)
+    restored.load_state_dict(store.state_dict())
+    for s in (store, restored):
+        s.add([0], [[42] * 3], version=5)
+    assert restored.state_dict() == store.state_dict()
+    assert [restored.responses([p]) for p in range(3)] == [store.responses([p]) for p in range(3)]
+
+
+def test_restoring_into_smaller_bounds_keeps_the_newest():
+    store = HistoryStore(HistoryConfig(responses_per_prompt=4))
+    store.add([1], [[1], [2], [3], [4]], 0)
+    small = HistoryStore(HistoryConfig(responses_per_prompt=2, max_bytes=10 * response_bytes(1)))
+    small.load_state_dict(store.state_dict())
+    assert small.responses([1]) == [[3], [4]]
+
+
+def test_prompt_key_is_stable_and_config_checked():
+    assert prompt_key([1, 2, 3]) == prompt_key([1, 2, 3]) != prompt_key([1, 2, 4])
+    assert prompt_key([1, 2, 3]) == "e2e2033ae7e19d680599d4eb0a1359a2"  # the same in every process and run
+    with pytest.raises(ConfigError, match="responses_per_prompt"):
+        HistoryConfig(responses_per_prompt=0)
+    with pytest.raises(ConfigError, match="max_bytes"):
+        HistoryConfig(max_bytes=True)
