@@ -5,6 +5,7 @@ names the source and the field."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -54,18 +55,37 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
-    """Build dataclass `cls` from `data`, coercing strings (from YAML or the command line)."""
+def from_dict(cls: type[T], data: dict[str, Any], source: str = "config",
+              sources: dict[str, str] | None = None) -> T:
+    """Build dataclass `cls` from `data`, coercing strings (from YAML or the command line). Errors name
+    where the offending key came from: `sources` maps a key to its origin (a file, "command line"),
+    `source` is the origin of the others."""
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    origin = {k: (sources or {}).get(k, source) for k in data}
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise ConfigError(f"{source}: unknown field(s) {unknown} for {cls.__name__}; known: {sorted(fields)}")
-    kwargs = {k: _coerce(v, hints[k], f"{source}: field {k!r}") for k, v in data.items()}
+        owner = f"{cls.__module__}.{cls.__name__}"
+        raise ConfigError("; ".join(f"{origin[k]}: {unknown_field(k, fields, owner)}" for k in unknown))
+    kwargs = {k: _coerce(v, hints[k], f"{origin[k]}: field {k!r}") for k, v in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        # A check across fields: blame the origins of the fields its message names (a one-word name
+        # only when quoted, since it may be an ordinary word of the message).
+        named = [k for k in data if re.search(rf"\b{re.escape(k)}\b" if "_" in k else f"'{re.escape(k)}'", str(exc))]
+        where = list(dict.fromkeys(origin[k] for k in named)) or list(dict.fromkeys(origin.values())) or [source]
+        raise ConfigError(f"{' and '.join(where)}: {exc}") from None
+
+
+def unknown_field(key: str, fields: set[str], owner: str) -> str:
+    """'unknown field ...' with the closest known names, instead of every one of them."""
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(fields), n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+            else f"no field has a similar name (the {len(fields)} fields are those of {owner})")
+    return f"unknown field {key!r} for {owner}; {hint}"
 
 
 def parse_overrides(items: list[str], source: str = "command line") -> dict[str, Any]:
@@ -98,8 +118,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 def build(cls: type[T], file: str | Path | None = None, overrides: list[str] = ()) -> T:
     """`cls` from an optional YAML file, then `key=value` overrides on top."""
     data = load_yaml(file) if file else {}
-    data.update(parse_overrides(list(overrides)))
-    return from_dict(cls, data, source=str(file) if file else "command line")
+    given = parse_overrides(list(overrides))
+    data.update(given)
+    return from_dict(cls, data, source=str(file) if file else "command line",
+                     sources=dict.fromkeys(given, "command line"))
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -20,5 +20,14 @@ def load_tokenizer(path_or_name: str | os.PathLike):
     if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(folder))
+        from tlt.model.checkpoint import read_json
+
+        # transformers reads config.json too, and a corrupt one would surface as its traceback
+        for name in ("config.json", "tokenizer_config.json"):
+            if (folder / name).exists():
+                read_json(folder / name)
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{folder}: cannot load its tokenizer ({type(exc).__name__}: {exc})") from None
     raise CheckpointError(f"{folder}: no tokenizer (expected char_tokenizer.json or tokenizer.json)")

@@ -15,7 +15,9 @@ Layout of a run directory:
     report/                  `tlt report`: figures and report.md
 A checkpoint is written into a hidden temporary folder and renamed into place, then `latest.json` is
 replaced atomically: a crash at any moment leaves the previous checkpoint as the newest complete one.
-Older checkpoints beyond `keep` are removed only after the new one is in place.
+Older checkpoints beyond `keep` are removed only after the new one is in place. Resume reads the
+newest checkpoint folder whole before it restores anything, and falls back to the previous one when a
+file of it cannot be read (a disk error, a copy cut short).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,7 +77,56 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_state(folder: Path) -> dict:
+    path = folder / "trainer_state.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file is missing")
     try:
-        return torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # torch raises several types for a corrupt file
-        raise CheckpointError(f"{folder / 'trainer_state.pt'}: cannot be read ({exc})") from None
+        raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+    missing = [k for k in ("step", "optimizer", "torch_rng", "python_rng") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: no {missing[0]!r} in the trainer state")
+    return state
+
+
+def checkpoints_newest_first(run_dir: Path) -> list[Path]:
+    """The run's checkpoint folders, highest step first. Each was renamed into place complete, so a
+    folder newer than latest.json (a kill between the rename and the pointer's update) is a good one."""
+    found = [(int(p.name[5:]), p) for p in (run_dir / "checkpoints").glob("step_*")
+             if p.is_dir() and p.name[5:].isdigit()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+@dataclass
+class SavedCheckpoint:
+    """A run checkpoint read into memory and checked: the trainer state, the policy's tensors, the
+    tuner state and the drafter trainer's state (None where the run had none). The online buffer,
+    which may be large, is read when it is restored (OnlineBuffer.load checks it before it replaces
+    anything)."""
+
+    folder: Path
+    state: dict
+    policy: dict[str, torch.Tensor]
+    tuner: dict | None
+    drafter: dict | None
+    buffer: Path | None
+
+
+def read_checkpoint(folder: Path) -> SavedCheckpoint:
+    """Every file of checkpoint `folder`, read and checked; CheckpointError names the first bad one."""
+    from tlt.model.checkpoint import read_json, read_tensors
+    from tlt.spot.trainer import read_state
+
+    state = load_state(folder)
+    policy = read_tensors(folder / "policy")
+    tuner = read_json(folder / "tuner.json") if (folder / "tuner.json").exists() else None
+    drafter = read_state(folder / "drafter") if (folder / "drafter").is_dir() else None
+    buffer = folder / "drafter_buffer" if (folder / "drafter_buffer").is_dir() else None
+    return SavedCheckpoint(folder, state, policy, tuner, drafter, buffer)
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Remove the hidden folders of checkpoints a kill interrupted before their rename."""
+    for tmp in (run_dir / "checkpoints").glob(".tmp-step_*"):
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -5,14 +5,16 @@
 The default config is the embedded default: the default model on the built-in task, adaptive
 speculation with the default drafter. Every field of `TrainConfig` is a key; an unknown key or a bad
 value fails before anything runs, naming the key. A resumed run reads the run's config.json (overrides
-apply on top, e.g. steps=200 to extend a finished run), restores the newest complete checkpoint and
-continues: its next step's metrics equal those of a run that was never interrupted.
+apply on top, e.g. steps=200 to extend a finished run), restores the newest checkpoint that reads
+whole (an older one, with a warning, when a file of the newest is torn) and continues: its next step's
+metrics equal those of a run that was never interrupted. Before any file of the run directory is
+written, the config is checked, the model's config and tokenizer load, every training and eval prompt
+is encoded and checked against the model's context, and the checkpoint is read.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -25,8 +27,10 @@ from tlt.rl.config import TrainConfig
 def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=print,
           stop_after: int | None = None):
     """Run (or continue) a GRPO run in `run_dir`; returns the trainer. `stop_after` ends the process
-    after that many steps of this call, as if killed (for tests of resume)."""
-    from tlt.rl.checkpoint import latest_checkpoint, load_state, save_checkpoint
+    after that many steps of this call, as if killed (for tests of resume). Nothing in `run_dir` is
+    written until the trainer has loaded the model, the data and the checkpoint: a run that cannot
+    start leaves the directory as it was."""
+    from tlt.rl.checkpoint import save_checkpoint
     from tlt.rl.metrics import MetricsLog, table_header, table_row
     from tlt.rl.trainer import GRPOTrainer
 
@@ -34,29 +38,15 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
     c = config
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_dir / "config.json", to_dict(c))
     trainer = GRPOTrainer(c, run_dir, log)
-    keep_until = None
-    if resume:
-        folder = latest_checkpoint(run_dir)
-        if folder is not None:
-            from tlt.model.checkpoint import read_tensors
-
-            tuner_file = folder / "tuner.json"
-            tuner = json.loads(tuner_file.read_text()) if tuner_file.exists() else None
-            trainer.load_state_dict(load_state(folder), read_tensors(folder / "policy"), tuner)
-            if (folder / "drafter").is_dir():
-                trainer.load_drafter_checkpoint(folder / "drafter")
-            if (folder / "drafter_buffer").is_dir():
-                trainer.load_drafter_buffer(folder / "drafter_buffer")
-            log(f"resumed {run_dir} from {folder.name} (step {trainer.step})")
-        keep_until = trainer.step
-    metrics = MetricsLog(run_dir, c.tensorboard, keep_until=keep_until,
-                         wandb_project=c.wandb_project if c.wandb else None, run_config=to_dict(c))
-    log(f"tlt train: {c.model} on {c.dataset or c.task}, {c.prompts_per_step} prompts x {c.group_size} samples, "
-        f"speculative={c.speculative}, {c.steps} steps -> {run_dir}")
+    metrics = None
     try:
+        keep_until = resume_from_checkpoint(trainer, run_dir, log) if resume else None
+        metrics = MetricsLog(run_dir, c.tensorboard, keep_until=keep_until,
+                             wandb_project=c.wandb_project if c.wandb else None, run_config=to_dict(c), log=log)
+        atomic_write_json(run_dir / "config.json", to_dict(c))
+        log(f"tlt train: {c.model} on {c.dataset or c.task}, {c.prompts_per_step} prompts x {c.group_size} samples, "
+            f"speculative={c.speculative}, {c.steps} steps -> {run_dir}")
         if trainer.step == 0 and c.eval_every:
             metrics.write({"step": 0, **trainer.evaluate()})
         log(table_header())
@@ -75,10 +65,39 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
                                 online_buffer=trainer.drafter_buffer())
             done += 1
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         trainer.close()
     trainer.metrics = metrics.rows
     return trainer
+
+
+def resume_from_checkpoint(trainer, run_dir: Path, log=print) -> int:
+    """Restore the newest checkpoint of `run_dir` that reads whole into `trainer`, falling back to older
+    ones with a warning; returns the step it resumes from (0: the run had no checkpoint yet)."""
+    from tlt.errors import CheckpointError
+    from tlt.rl.checkpoint import checkpoints_newest_first, read_checkpoint, remove_partial_checkpoints
+
+    folders = checkpoints_newest_first(run_dir)
+    problems = []
+    for folder in folders:
+        try:
+            trainer.restore(read_checkpoint(folder))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            log(f"warning: cannot resume from {folder.name}: {exc}")
+            continue
+        if problems:
+            log(f"warning: resuming from {folder.name}, the newest checkpoint that reads whole; "
+                f"the steps after it run again")
+        log(f"resumed {run_dir} from {folder.name} (step {trainer.step})")
+        remove_partial_checkpoints(run_dir)
+        return trainer.step
+    if folders:
+        raise CheckpointError(f"{run_dir}: none of its {len(folders)} checkpoints can be read (newest: {problems[0]}); "
+                              f"start a new run with --out, or restore the checkpoints folder")
+    remove_partial_checkpoints(run_dir)
+    return trainer.step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,12 +111,15 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config or args.out:
             raise ConfigError("--resume takes the run's own config.json; pass changes as key=value")
+        from tlt.model.checkpoint import read_json
+
         path = Path(args.resume) / "config.json"
         if not path.exists():
             raise ConfigError(f"{args.resume}: not a run directory to resume (no config.json)")
-        data = json.loads(path.read_text())
-        data.update(parse_overrides(args.overrides))
-        config = from_dict(TrainConfig, data, source=str(path))
+        data = read_json(path)
+        given = parse_overrides(args.overrides)
+        data.update(given)
+        config = from_dict(TrainConfig, data, source=str(path), sources=dict.fromkeys(given, "command line"))
         train(config, args.resume, resume=True)
         return 0
     config = build(TrainConfig, args.config, args.overrides)

@@ -61,6 +61,8 @@ def rollout_layout(workers: int, worker_gpus: float, cores: int, gpus: int) -> t
 class GRPOTrainer:
     def __init__(self, config: TrainConfig, run_dir: str | Path | None = None, log=print) -> None:
         from tlt.model import load_model
+        from tlt.model.checkpoint import load_config
+        from tlt.rewards.registry import get_reward
         from tlt.rewards.runner import RewardRunner
         from tlt.tokenizer import load_tokenizer
 
@@ -70,20 +72,31 @@ class GRPOTrainer:
             torch.set_num_threads(c.threads)
         torch.manual_seed(c.seed)
         random.seed(c.seed)
+        # What can be checked without weights goes first: a bad model config, dataset row, prompt or
+        # reward fails before any model loads or any helper process starts.
+        self.context_length = load_config(c.model).max_position_embeddings
         self.tokenizer = load_tokenizer(c.model)
+        self.train_examples, self.eval_examples = self._load_data()
+        self._prompt_ids: dict[int, list[int]] = {}
+        self._prompt_ids = self._encode_all([*self.train_examples, *self.eval_examples])
+        get_reward(c.reward)
         self.device = resolve_device(c.device, "field 'device'")
         self.policy = load_model(c.model, device=self.device).train()
         self.reference = load_model(c.model, device=self.device).eval().requires_grad_(False) if c.kl_coef > 0 else None
-        self.rollout_backend = self._make_rollout()
-        self.engine = getattr(self.rollout_backend, "engine", None)  # the in-process engine (workers=1)
         self.optimizer = build_optimizer(self.policy, c)
-        self.reward = RewardRunner(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
-        self.train_examples, self.eval_examples = self._load_data()
         self.step = 0  # optimizer updates done = the policy version the engine must hold
         self._orders: dict[int, list[int]] = {}
-        self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
-        # Last, so that nothing after the helpers start can fail and leave them running.
-        self.replicas = Replicas(c, self.policy, self.optimizer) if c.trainer_processes > 1 else None
+        self.reward_failed_steps = 0  # consecutive steps whose every reward call failed
+        self.reward = RewardRunner(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
+        self.rollout_backend = self.replicas = None
+        try:
+            self.rollout_backend = self._make_rollout()
+            self.engine = getattr(self.rollout_backend, "engine", None)  # the in-process engine (workers=1)
+            self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
+            self.replicas = Replicas(c, self.policy, self.optimizer) if c.trainer_processes > 1 else None
+        except BaseException:
+            self.close()
+            raise
 
     def _make_rollout(self):
         """The in-process engine (workers=1) or a pool of Ray workers, with online drafter training when
@@ -189,10 +202,44 @@ class GRPOTrainer:
             out.append(self.train_examples[self._orders[epoch][i]])
         return out
 
-    def encode(self, prompt: str | list[dict]) -> list[int]:
+    def encode(self, example: Example) -> list[int]:
+        """The prompt's token ids (encoded once; errors name the example's source)."""
         from tlt.chat import render_prompt
 
-        return render_prompt(self.tokenizer, prompt)
+        ids = self._prompt_ids.get(id(example))
+        if ids is not None:
+            return ids
+        try:
+            ids = render_prompt(self.tokenizer, example.prompt)
+        except ConfigError as exc:
+            raise ConfigError(f"{example.source}: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:  # e.g. a character the built-in tokenizer lacks
+            raise ConfigError(f"{example.source}: the prompt cannot be encoded with the tokenizer of "
+                              f"{self.config.model} ({exc})") from None
+        if not ids:  # e.g. a tokenizer whose vocabulary does not fit the class transformers loaded it as
+            raise ConfigError(f"{example.source}: the prompt encodes to no tokens with the tokenizer of "
+                              f"{self.config.model} ({type(self.tokenizer).__name__}); check that the tokenizer "
+                              "matches the model")
+        if len(ids) >= self.context_length:
+            raise ConfigError(f"{example.source}: the prompt has {len(ids)} tokens; the model's context "
+                              f"(max_position_embeddings of {self.config.model}) is {self.context_length}, "
+                              "leaving no room to generate; shorten or drop this row")
+        return ids
+
+    def _encode_all(self, examples: list[Example]) -> dict[int, list[int]]:
+        """Every training and eval prompt's ids by id() of its example, checked at start so that a prompt
+        that cannot run is named by its row now rather than steps into the run. A prompt that leaves less
+        than max_response_tokens of context is allowed: its responses stop at the context (finish reason
+        "length"), as the engine does for any request; the count is logged."""
+        out = {id(ex): self.encode(ex) for ex in examples}
+        room = self.context_length - self.config.max_response_tokens
+        short = [ex for ex in examples if len(out[id(ex)]) > room]
+        if short:
+            worst = max(short, key=lambda ex: len(out[id(ex)]))
+            self.log(f"warning: {len(short)} of {len(examples)} prompts leave less than max_response_tokens="
+                     f"{self.config.max_response_tokens} of the model's context ({self.context_length}); their "
+                     f"responses stop at the context (longest: {worst.source}, {len(out[id(worst)])} tokens)")
+        return out
 
     # --- the RL step -----------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -248,11 +295,7 @@ class GRPOTrainer:
         from tlt.rollout import SamplingParams
 
         c = self.config
-        prompts = [self.encode(ex.prompt) for ex in examples]
-        for ex, ids in zip(examples, prompts):
-            if not ids:  # e.g. a tokenizer whose vocabulary does not fit the class transformers loaded it as
-                raise ConfigError(f"{ex.source}: the prompt encodes to no tokens with the tokenizer of {c.model} "
-                                  f"({type(self.tokenizer).__name__}); check that the tokenizer matches the model")
+        prompts = [self.encode(ex) for ex in examples]
         params = [SamplingParams(n=samples or c.group_size, temperature=0.0 if greedy else c.temperature,
                                  top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_response_tokens,
                                  seed=stream_seed(salt, c.seed, step, j)) for j in range(len(examples))]
@@ -392,22 +435,48 @@ class GRPOTrainer:
                 "python_rng": random.getstate(),
                 "drafter_schedule": learning.schedule.state_dict() if learning is not None else None}
 
-    def load_state_dict(self, state: dict, policy_state: dict, tuner_state: dict | None = None) -> None:
-        missing, unexpected = self.policy.load_state_dict(policy_state, strict=False)
+    def restore(self, saved) -> None:
+        """Continue from a checkpoint read by `tlt.rl.checkpoint.read_checkpoint`. What can still fail
+        (the policy's names and shapes, the online buffer's files, the tuner state's fields) is checked
+        first, so after a CheckpointError the caller can restore an older checkpoint over it."""
+        learning = self.learning
+        own = self.policy.state_dict()
         tied = self.policy.config.tie_word_embeddings
-        if unexpected or [k for k in missing if not (tied and k == "lm_head.weight")]:
-            raise CheckpointError(f"checkpoint policy does not match the model: missing {missing[:5]}, "
-                                  f"unexpected {unexpected[:5]}")
+        missing = [k for k in own if k not in saved.policy and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in saved.policy if k not in own]
+        wrong = [k for k in saved.policy if k in own and saved.policy[k].shape != own[k].shape]
+        if missing or unexpected or wrong:
+            raise CheckpointError(f"{saved.folder / 'policy'}: does not match the model {self.config.model}: "
+                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}, other shape {wrong[:5]}")
+        if saved.buffer is not None:
+            if learning is None:
+                self.log(f"{saved.buffer}: the run is resumed without drafter training; its online buffer is not loaded")
+            else:
+                learning.buffer.load(saved.buffer)
+        if saved.tuner is not None:
+            tuner = saved.tuner if "tuners" in saved.tuner else {"tuners": [saved.tuner]}
+            try:
+                self.rollout_backend.load_state(tuner)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                raise CheckpointError(f"{saved.folder / 'tuner.json'}: not a tuner state ({type(exc).__name__}: "
+                                      f"{exc})") from None
+        self.policy.load_state_dict(saved.policy, strict=False)
+        state = saved.state
         self.optimizer.load_state_dict(state["optimizer"])
         if self.replicas is not None:  # rank 0's state is the one saved; the helpers take it
             self.replicas.sync(self.policy, self.optimizer)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        if tuner_state is not None:
-            self.rollout_backend.load_state(tuner_state if "tuners" in tuner_state else {"tuners": [tuner_state]})
-        learning = self.learning
         if learning is not None and state.get("drafter_schedule") is not None:
             learning.schedule.load_state_dict(state["drafter_schedule"])
+        if saved.drafter is not None:
+            if learning is None:
+                self.log(f"{saved.folder / 'drafter'}: the run is resumed without drafter training; "
+                         "its trained drafter is not loaded")
+            else:
+                learning.state = saved.drafter
+                if self.engine is not None:
+                    self.engine.load_drafter(learning.state["drafter"], learning.version)
         self.step = int(state["step"])
         self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
 
@@ -420,30 +489,10 @@ class GRPOTrainer:
             return None
         return StateSnapshot(learning.state, learning.drafter_config, {"rl_step": self.step})
 
-    def load_drafter_checkpoint(self, folder: Path) -> None:
-        """Restore the drafter trainer's state saved with a run checkpoint; every worker gets the drafter
-        at its next rollout."""
-        from tlt.spot.trainer import read_state
-
-        learning = self.learning
-        if learning is None:
-            self.log(f"{folder}: the run is resumed without drafter training; its trained drafter is not loaded")
-            return
-        learning.state = read_state(folder)
-        if self.engine is not None:
-            self.engine.load_drafter(learning.state["drafter"], learning.version)
-
     def drafter_buffer(self):
         """The online buffer to save with a checkpoint (None: no drafter training, or not asked)."""
         learning = self.learning
         return learning.buffer if learning is not None and self.config.drafter_buffer_checkpoint else None
-
-    def load_drafter_buffer(self, folder: Path) -> None:
-        learning = self.learning
-        if learning is None:
-            self.log(f"{folder}: the run is resumed without drafter training; its online buffer is not loaded")
-            return
-        learning.buffer.load(folder)
 
     def rollout_state(self) -> dict:
         """The rollout side's state for a checkpoint: every worker's tuner."""
@@ -451,7 +500,8 @@ class GRPOTrainer:
 
     def close(self) -> None:
         self.reward.close()
-        self.rollout_backend.close()
+        if self.rollout_backend is not None:
+            self.rollout_backend.close()
         if self.replicas is not None:
             self.replicas.close()
 

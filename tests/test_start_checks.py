@@ -1,0 +1,123 @@
+"""What `tlt train` checks before a run starts: every training and eval prompt (named by file:line),
+the model folder's config.json, configuration values (blamed on where they came from, with the
+closest field name for a typo), and on resume, that nothing is written until the merged config has
+loaded."""
+
+import json
+
+import pytest
+
+from chat_tokenizer import BYTE_VOCAB, build_byte_tokenizer
+from conftest import tiny_hf_model
+from tlt.cli import main
+from tlt.config import build, from_dict
+from tlt.errors import ConfigError
+from tlt.rl import GRPOTrainer, TrainConfig
+
+from rl_fixtures import save_tiny_policy, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_policy(tmp_path_factory.mktemp("start-model"))
+
+
+def cli_args(model_dir, **overrides):
+    fields = dict(model=model_dir, drafter="none", speculative="off", workers=1,
+                  reward="reward_fixtures:digit_fraction", train_problems=16, prompts_per_step=2, group_size=2,
+                  max_response_tokens=6, eval_every=0, save_every=1, steps=1)
+    fields.update(overrides)
+    return [f"{k}={v}" for k, v in fields.items()]
+
+
+def test_a_failed_resume_leaves_the_run_config_as_it_was(model_dir, tmp_path, capsys):
+    """Regression: `--resume RUN dataset=missing.jsonl` rewrote RUN/config.json with the bad override
+    before the dataset was read, so every later plain --resume failed too."""
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *cli_args(model_dir)]) == 0
+    saved = (run / "config.json").read_text()
+    assert main(["train", "--resume", str(run), f"dataset={tmp_path / 'missing.jsonl'}", "steps=2"]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+    assert (run / "config.json").read_text() == saved
+    assert main(["train", "--resume", str(run), "steps=2"]) == 0
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_a_prompt_with_a_character_the_tokenizer_lacks_is_named_by_its_line(model_dir, tmp_path, where):
+    """Regression: the built-in character tokenizer's ValueError surfaced as a 38-line traceback when
+    the prompt's batch came up, steps into the run."""
+    good = [json.dumps({"prompt": f"Q:{i}+1\nA:", "answer": str(i + 1)}) for i in range(8)]
+    bad = json.dumps({"prompt": "Q:what is 2+2?\nA:", "answer": "4"})
+    (tmp_path / "train.jsonl").write_text("\n".join(good[:5] + ([bad] if where == "train" else []) + good[5:]) + "\n")
+    (tmp_path / "eval.jsonl").write_text("\n".join(good[:1] + ([bad] if where == "eval" else [])) + "\n")
+    config = tiny_config(model_dir, dataset=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "eval.jsonl"),
+                         eval_every=1)
+    line = 6 if where == "train" else 2
+    with pytest.raises(ConfigError, match=rf"{where}.jsonl:{line}: the prompt cannot be encoded .*character 'w'"):
+        GRPOTrainer(config, log=lambda *_: None)
+
+
+def test_a_prompt_longer_than_the_context_is_named_at_start(tmp_path):
+    """Regression: it failed when its batch came up, as "prompt 2 has 802 tokens" (a batch position)."""
+    tiny_hf_model("qwen2", vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64).save_pretrained(tmp_path / "model")
+    build_byte_tokenizer(tmp_path / "model")
+    rows = [{"prompt": f"{i}+{i}="} for i in range(12)]
+    rows[9]["prompt"] = "1+" * 40 + "1="
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = []
+    config = tiny_config(tmp_path / "model", dataset=str(tmp_path / "train.jsonl"), max_response_tokens=56)
+    with pytest.raises(ConfigError, match=r"train.jsonl:10: the prompt has 82 tokens; the model's context .* is 64"):
+        GRPOTrainer(config, log=lines.append)
+    rows[9]["prompt"] = "1+" * 5 + "1="  # fits, but leaves less than max_response_tokens: said at start
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    GRPOTrainer(config, log=lines.append).close()
+    assert any("1 of 12 prompts leave less than max_response_tokens=56" in x and "train.jsonl:10" in x for x in lines)
+
+
+def test_a_corrupt_model_config_is_one_line_in_tlt_train(tmp_path, capsys):
+    """Regression: with a Hugging Face tokenizer beside it, a corrupt config.json gave an 86-line
+    traceback from transformers' tokenizer loader (tlt eval and tlt audit already said one line)."""
+    tiny_hf_model("qwen2", vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                  num_key_value_heads=1).save_pretrained(tmp_path / "model")
+    build_byte_tokenizer(tmp_path / "model")
+    config = tmp_path / "model" / "config.json"
+    config.write_text(config.read_text()[:-40])
+    assert main(["train", "--out", str(tmp_path / "run"), f"model={tmp_path / 'model'}", "workers=1",
+                 "speculative=off", "reward=reward_fixtures:digit_fraction"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("tlt train: error: ") and "model/config.json: line" in err
+    assert not (tmp_path / "run").exists()
+    from tlt.tokenizer import load_tokenizer
+
+    from tlt.errors import CheckpointError
+    with pytest.raises(CheckpointError, match="config.json: line"):
+        load_tokenizer(tmp_path / "model")
+
+
+def test_a_value_is_blamed_on_where_it_came_from(tmp_path):
+    """Regression: a bad value given on the command line was reported as coming from the YAML file."""
+    (tmp_path / "run.yaml").write_text("group_size: 4\nsteps: 3\n")
+    with pytest.raises(ConfigError, match=r"^command line: field 'group_size' must be >= 2"):
+        build(TrainConfig, tmp_path / "run.yaml", ["group_size=1"])
+    with pytest.raises(ConfigError, match=r"^command line: field 'steps': expected int, got 'many'"):
+        build(TrainConfig, tmp_path / "run.yaml", ["steps=many"])
+    (tmp_path / "run.yaml").write_text("group_size: 1\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: field 'group_size' must be >= 2"):
+        build(TrainConfig, tmp_path / "run.yaml", ["steps=3"])
+    with pytest.raises(ConfigError, match=r"^run/config.json and command line: field 'mini_batches' \(8\) must be"):
+        from_dict(TrainConfig, {"prompts_per_step": 4, "mini_batches": "8"}, "run/config.json",
+                  {"mini_batches": "command line"})
+
+
+def test_an_unknown_key_names_the_closest_field_not_all_of_them():
+    """Regression: an unknown key printed all ~100 field names on one line."""
+    with pytest.raises(ConfigError) as caught:
+        from_dict(TrainConfig, {"prompt_per_step": "4"})
+    message = str(caught.value)
+    assert "unknown field 'prompt_per_step'" in message and "did you mean 'prompts_per_step'?" in message
+    assert "drafter_buffer_mb" not in message and len(message) < 200
+    with pytest.raises(ConfigError, match="'xyzzy'.*no field has a similar name.*tlt.rl.config.TrainConfig"):
+        from_dict(TrainConfig, {"xyzzy": "1"})
