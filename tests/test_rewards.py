@@ -99,3 +99,11 @@ def test_worker_runner_times_out_a_hung_call_and_goes_on(pool):
     assert result.errors[2:] == [None, None]
     assert result.seconds >= 1.0
     assert score(pool, ROWS).rewards == [1.0] * 4
+
+
+def test_a_timed_out_call_is_one_failure_naming_its_rows_once(pool):
+    """Regression: the trainer logged a timed-out call once per row, each line listing the call's rows."""
+    result = score(pool, ["hang", "b", "raise", "d"])
+    assert result.failures[0] == ("data.jsonl:1, data.jsonl:2: reward 'reward_fixtures:by_completion' timed out "
+                                  "after 1 s; its worker process was restarted")
+    assert len(result.failures) == 2 and result.failures[1].startswith("data.jsonl:3: reward")

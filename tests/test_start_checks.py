@@ -121,3 +121,22 @@ def test_an_unknown_key_names_the_closest_field_not_all_of_them():
     assert "drafter_buffer_mb" not in message and len(message) < 200
     with pytest.raises(ConfigError, match="'xyzzy'.*no field has a similar name.*tlt.rl.config.TrainConfig"):
         from_dict(TrainConfig, {"xyzzy": "1"})
+
+
+def test_a_reward_failing_on_every_row_shows_in_the_table_and_stops_the_run(model_dir, tmp_path):
+    """Regression: a reward failing on every row ended the run with exit code 0 and nothing on the
+    console (only `reward_errors` in metrics.jsonl)."""
+    from tlt.errors import TrainingError
+    from tlt.rl.run import train
+
+    lines = []
+    config = tiny_config(model_dir, reward="reward_fixtures:poisoned", reward_failure_steps=2, steps=5, save_every=1)
+    with pytest.raises(TrainingError, match=r"step 2: the reward 'reward_fixtures:poisoned' failed on every row of 2 "
+                                            r"consecutive steps .*returned nan.*last good checkpoint"):
+        train(config, tmp_path / "run", log=lines.append)
+    header = next(x for x in lines if "rew err" in x)
+    row = lines[lines.index(header) + 1]
+    assert header.split()[:4] == ["step", "reward", "rew", "err"]
+    assert row.split()[2] == "16"  # 4 prompts x 4 samples, all failed
+    assert any(x.startswith("reward errors: 16 of 16 rows scored 0") for x in lines)
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]

@@ -30,7 +30,7 @@ import numbers
 import pickle
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import NamedTuple, Sequence
 
@@ -43,12 +43,14 @@ _STOP_TIMEOUT_S = 5.0
 
 @dataclass
 class RewardResult:
-    """One reward per row (0.0 where it failed), the error per row (None where it did not), and the
-    wall time of the scoring in seconds."""
+    """One reward per row (0.0 where it failed), the error per row (None where it did not), the wall
+    time of the scoring in seconds, and one message per failure: a call that failed as a whole (a
+    timeout) names its rows once, a row that failed alone is one message."""
 
     rewards: list[float]
     errors: list[str | None]
     seconds: float
+    failures: list[str] = field(default_factory=list)
 
 
 class _Outcome(NamedTuple):
@@ -169,26 +171,31 @@ class RewardRunner:
         batch = (list(prompts), list(completions), {k: list(v) for k, v in columns.items()})
         size = self.chunk_size or max(1, -(-n // max(self.workers, 1)))
         calls = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-        rewards, errors = [0.0] * n, [None] * n
+        result = RewardResult([0.0] * n, [None] * n, 0.0)
         retries = []
         for rows, outcome in zip(calls, self._run(calls, batch)):
             if outcome.failure is not None and outcome.retry and len(rows) > 1:
                 retries.extend([i] for i in rows)
             else:
-                self._record(rows, outcome, sources, rewards, errors)
+                self._record(rows, outcome, sources, result)
         for rows, outcome in zip(retries, self._run(retries, batch)):
-            self._record(rows, outcome, sources, rewards, errors)
-        return RewardResult(rewards, errors, time.perf_counter() - start)
+            self._record(rows, outcome, sources, result)
+        result.seconds = time.perf_counter() - start
+        return result
 
-    def _record(self, rows: list[int], outcome: _Outcome, sources: list[str], rewards: list, errors: list) -> None:
+    def _record(self, rows: list[int], outcome: _Outcome, sources: list[str], result: RewardResult) -> None:
         if outcome.fatal:
             raise ConfigError(f"reward {self.name!r}: {outcome.failure}")
+        if outcome.failure is not None:
+            result.failures.append(f"{_names(rows, sources)}: reward {self.name!r} {outcome.failure}")
         for i, value, error in zip(rows, outcome.values, outcome.errors):
-            rewards[i] = value
+            result.rewards[i] = value
             why = outcome.failure or error
             if why is not None:
                 together = f" (in a call with rows {_names(rows, sources)})" if len(rows) > 1 else ""
-                errors[i] = f"{sources[i]}: reward {self.name!r} {why}{together}"
+                result.errors[i] = f"{sources[i]}: reward {self.name!r} {why}{together}"
+            if outcome.failure is None and error is not None:
+                result.failures.append(result.errors[i])
 
     def _run(self, calls: list[list[int]], batch: tuple) -> list[_Outcome]:
         """The outcome of each call (a list of row indices into `batch`), in order."""

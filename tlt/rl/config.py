@@ -30,6 +30,9 @@ class TrainConfig:
     reward: str = "arithmetic"  # a registered reward or an import path module:function
     reward_workers: int = 0  # 0: in-process; >= 1: a process pool with a per-call timeout
     reward_timeout_s: float = 30.0
+    # Stop the run when the reward failed (raised, hung, returned no finite number) on every row of this
+    # many consecutive steps (0: never); a step with some rows scored costs only the failed rows.
+    reward_failure_steps: int = 3
     train_problems: int = 20000  # problems drawn from the built-in task's train split
     # --- rollout
     prompts_per_step: int = 16
@@ -127,7 +130,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"field {name!r} must be an integer >= 1, got {value!r}")
-        for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "threads", "workers",
+        for name in ("eval_every", "save_every", "warmup_steps", "reward_workers", "reward_failure_steps", "threads",
+                     "workers",
                      "worker_threads", "drafter_train_every", "drafter_min_pairs", "drafter_max_steps",
                      "drafter_warmup_steps", "drafter_hot_swap_every",
                      "drafter_local_steps", "catch_up_window"):

@@ -23,6 +23,7 @@ from tlt.io import atomic_write_bytes, atomic_write_json
 COLUMNS = (  # (header, key, format) of the console table
     ("step", "step", "{:>5d}"),
     ("reward", "reward", "{:>6.3f}"),
+    ("rew err", "reward_errors", "{:>7d}"),
     ("acc", "accuracy", "{:>5.2f}"),
     ("len", "response_length_mean", "{:>5.0f}"),
     ("p99", "response_length_p99", "{:>5.0f}"),

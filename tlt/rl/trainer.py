@@ -249,7 +249,8 @@ class GRPOTrainer:
         with _timer(times, "rollout"):
             episodes, rollout_stats = self.rollout(examples, self.step)
         with _timer(times, "reward"):
-            self.score(episodes)
+            result = self.score(episodes)
+        self._check_reward_failures(result)
         rewards = torch.tensor([e.reward for e in episodes])
         groups = torch.tensor([e.group for e in episodes])
         for e, a in zip(episodes, group_advantages(rewards, groups, self.config.normalize_std).tolist()):
@@ -267,6 +268,18 @@ class GRPOTrainer:
             phase = self.rollout_backend.finish_step(self.step - 1)
         metrics = self._metrics(episodes, rollout_stats, update, times, int(flat.sum()) // self.config.group_size)
         return {**metrics, **self._drafter_metrics(rollout_stats, phase)}
+
+    def _check_reward_failures(self, result) -> None:
+        """Stop the run when the reward failed on every row of `reward_failure_steps` consecutive steps:
+        such steps learn nothing, and the cause (a bug, a missing column, a dead service) will not mend
+        itself. Raised before the update, so the step is not applied."""
+        c = self.config
+        all_failed = bool(result.errors) and all(err is not None for err in result.errors)
+        self.reward_failed_steps = self.reward_failed_steps + 1 if all_failed else 0
+        if c.reward_failure_steps and self.reward_failed_steps >= c.reward_failure_steps:
+            raise TrainingError(self._diverged(
+                f"the reward {c.reward!r} failed on every row of {self.reward_failed_steps} consecutive steps "
+                f"(reward_failure_steps={c.reward_failure_steps}); the last failure: {result.failures[-1]}"))
 
     @property
     def learning(self):
@@ -315,8 +328,13 @@ class GRPOTrainer:
         result = self.reward.score(prompts, [e.text for e in episodes], columns, [e.example.source for e in episodes])
         for e, r, err in zip(episodes, result.rewards, result.errors):
             e.reward, e.reward_error = float(r), err
-        for err in sorted({err for err in result.errors if err})[:3]:
-            self.log(f"reward error (scored 0): {err}")
+        failed = sum(err is not None for err in result.errors)
+        if failed:
+            more = f" ({len(result.failures) - 3} more failures)" if len(result.failures) > 3 else ""
+            self.log(f"reward errors: {failed} of {len(episodes)} rows scored 0{more}")
+            for failure in result.failures[:3]:
+                self.log(f"  {failure}")
+        return result
 
     # --- log-probs and the update ----------------------------------------------------------------------
     def token_logprobs(self, model, batch: MicroBatch, with_entropy: bool = False):
