@@ -29,7 +29,7 @@ def draft_tokens(strategy: Strategy) -> int:
     """Tokens one row sends through verification under `strategy` (root included)."""
     if strategy.kind == "off":
         return 1
-    if strategy.kind == "tree":
+    if strategy.kind in ("tree", "suffix", "hybrid"):
         return 1 + strategy.verify_tokens
     return 1 + strategy.depth
 

@@ -94,6 +94,8 @@ class DecodeResult:
     hidden: list[torch.Tensor] | None
     strategy: str = "off"  # the strategy of the step ("off": one plain token per row)
     layers: list[torch.Tensor] | None = None
+    visited: list[list[int]] | None = None  # per row, the draft nodes on the accepted path (root first)
+    sources: dict | None = None  # draft source -> [row-steps, tokens, accepted draft tokens] (suffix drafts)
 
 
 @dataclass
@@ -106,6 +108,7 @@ class EngineStats:
     strategies: list[str] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each decode step
     wall_time: float = 0.0
+    sources: dict[str, list[int]] = field(default_factory=dict)  # summed DecodeResult.sources
 
     def as_dict(self) -> dict:
         n = max(len(self.step_times), 1)
@@ -121,6 +124,7 @@ class EngineStats:
             "strategies": list(self.strategies),
             "step_tokens": list(self.step_tokens),
             "acceptance_length": self.acceptance_length(),
+            "draft_sources": {k: list(v) for k, v in self.sources.items()},
         }
 
     def acceptance_length(self) -> float | None:
@@ -269,10 +273,12 @@ class RolloutEngine:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         weights_version: int | None = None,
+        history=None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (token ids, or strings when a tokenizer was given). With
         `weights_version`, refuse to run unless the engine holds exactly that policy version: an RL
-        step must never sample from stale weights."""
+        step must never sample from stale weights. `history` (a speculative.history.HistoryDrafts) gives
+        the suffix drafter each prompt's earlier responses and the run's recent ones."""
         if weights_version is not None and weights_version != self.weights_version:
             raise StaleWeightsError(f"rollout asked for policy version {weights_version}, "
                                     f"the engine holds version {self.weights_version}")
@@ -283,7 +289,15 @@ class RolloutEngine:
             params = [params or SamplingParams()] * len(prompts)
         elif len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        groups = [self._make_group(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        if history is not None and len(history.responses) != len(prompts):
+            raise ConfigError(f"history has responses for {len(history.responses)} prompts, not {len(prompts)}")
+        window = None
+        if history is not None and history.window and self.config.speculative != "off":
+            from tlt.speculative.suffix import SuffixAutomaton
+
+            window = SuffixAutomaton.of(history.window)
+        groups = [self._make_group(i, p, sp, history.responses[i] if history is not None else (), window)
+                  for i, (p, sp) in enumerate(zip(prompts, params))]
         for g in groups:
             self.scheduler.add(g)
         total = sum(len(g.seqs) for g in groups)
@@ -324,6 +338,9 @@ class RolloutEngine:
             result = self.decoder.decode(self.batch)
             self._stats.strategies.append(result.strategy)
             self._stats.step_tokens.append(sum(map(len, result.tokens)))
+            for name, counts in (result.sources or {}).items():
+                total = self._stats.sources.setdefault(name, [0] * len(counts))
+                total[:] = [a + b for a, b in zip(total, counts)]
             self._postprocess(result)
         self._stats.steps += 1
         self._stats.step_times.append(time.perf_counter() - start)
@@ -387,7 +404,8 @@ class RolloutEngine:
             batch.select(keep)
 
     # --- requests ----------------------------------------------------------------------------------
-    def _make_group(self, i: int, prompt: list[int] | str, params: SamplingParams) -> Group:
+    def _make_group(self, i: int, prompt: list[int] | str, params: SamplingParams, history=(),
+                    window=None) -> Group:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError(f"prompt {i} is a string but the engine has no tokenizer; pass token ids")
@@ -410,9 +428,9 @@ class RolloutEngine:
         max_new = min(params.max_tokens, self.context_length - len(prompt))
         ngram = None
         if self.config.speculative != "off":
-            from tlt.speculative.ngram import NgramIndex
+            from tlt.speculative.suffix import SuffixIndex
 
-            ngram = NgramIndex(prompt)
+            ngram = SuffixIndex(prompt, history, window)
         seqs = [Sequence(request_id, j, prompt, params, rng.sequence_key(seed, j), stop, max_new, ngram=ngram)
                 for j in range(params.n)]
         return Group(request_id, prompt, seqs)

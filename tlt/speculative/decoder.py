@@ -34,7 +34,8 @@ from tlt.rollout import rng
 from tlt.rollout.engine import DecodeResult, sample_next, stacked_layers
 from tlt.rollout.sampling import warp_logprobs
 from tlt.speculative.strategy import Strategy
-from tlt.speculative.tree import chain_draft, expand
+from tlt.speculative.suffix import max_depth_for
+from tlt.speculative.tree import chain_draft, expand, list_draft
 from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
 
 
@@ -148,15 +149,40 @@ class SpeculativeDecoder:
         strategy = strategy or self.strategy
         if strategy.kind == "off":
             return self._plain(batch)
+        names = None  # per row, the source of each draft node (suffix and hybrid drafts)
         if strategy.kind == "ngram":
             proposals = [s.ngram.propose(s.history, strategy.depth) for s in batch.seqs]
             draft = chain_draft(batch.last_tokens, proposals)
+        elif strategy.kind in ("suffix", "hybrid"):
+            draft, names = self._suffix_draft(batch, strategy)
         else:
-            f0, logits0 = self._catch_up(batch)
-            draft = expand(self.drafter, batch.draft.cache, f0, logits0, batch.cache.lengths, strategy, batch)
+            draft = self._learned_draft(batch, strategy)
         result = self._verify(batch, draft)
         result.strategy = strategy.name
+        if names is not None:
+            result.sources = credit_sources(names, result.visited, result.tokens)
         return result
+
+    def _learned_draft(self, batch, strategy: Strategy):
+        f0, logits0 = self._catch_up(batch)
+        return expand(self.drafter, batch.draft.cache, f0, logits0, batch.cache.lengths, strategy, batch)
+
+    def _suffix_draft(self, batch, strategy: Strategy):
+        """Suffix trees per row (suffix.py); under "hybrid", rows whose match earns a draft no deeper than
+        the strategy's depth take the learned drafter's tree instead (one drafter pass for the batch)."""
+        hybrid = strategy.kind == "hybrid"
+        depth = strategy.verify_tokens if hybrid else strategy.depth
+        trees = [s.ngram.tree(s.history, depth, strategy.verify_tokens) for s in batch.seqs]
+        rows = [(tokens, parents) for tokens, parents, _, _ in trees]
+        names = [n for _, _, n, _ in trees]
+        short = [b for b, (_, _, _, matched) in enumerate(trees) if max_depth_for(matched, depth) <= strategy.depth]
+        if hybrid and short:
+            learned = self._learned_draft(batch, Strategy("tree", strategy.depth, strategy.topk, strategy.verify_tokens))
+            tokens, parents = learned.tokens[:, 1:].tolist(), learned.parents[:, 1:].tolist()
+            for b in short:
+                rows[b] = (tokens[b], parents[b])
+                names[b] = ["drafter"] * len(tokens[b])
+        return list_draft(batch.last_tokens, rows), names
 
     # --- steps -------------------------------------------------------------------------------------
     def _plain(self, batch) -> DecodeResult:
@@ -198,7 +224,7 @@ class SpeculativeDecoder:
             hidden = [out.hidden_states[b, v] for b, v in enumerate(visited)]
             stacked = stacked_layers(out, self.output_layers)
             layers = [stacked[b, v] for b, v in enumerate(visited)] if stacked is not None else None
-        return DecodeResult(emitted, logprobs, hidden, layers=layers)
+        return DecodeResult(emitted, logprobs, hidden, layers=layers, visited=visited)
 
     def _verify_chain(self, logits, draft, batch, counters):
         B, N, V = logits.shape
@@ -233,3 +259,17 @@ class SpeculativeDecoder:
         picked = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))  # [B, K, H]
         batch.draft.add(picked, tokens, k, base)
 
+
+def credit_sources(names: list[list[str]], visited: list[list[int]], emitted: list[list[int]]) -> dict:
+    """Per draft source, [row-steps, tokens emitted, draft tokens accepted] of one step. A row-step is
+    credited to the source of its first accepted draft node (of its first proposed node when none was
+    accepted; "none" for an empty draft); accepted draft tokens go to each node's own source."""
+    out: dict[str, list[int]] = {}
+    for row_names, path, tokens in zip(names, visited, emitted):
+        lead = row_names[path[1] - 1] if len(path) > 1 else (row_names[0] if row_names else "none")
+        entry = out.setdefault(lead, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += len(tokens)
+        for node in path[1:]:
+            out.setdefault(row_names[node - 1], [0, 0, 0])[2] += 1
+    return out

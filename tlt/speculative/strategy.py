@@ -5,7 +5,11 @@ from its own distribution q; verified by min(1, p/q) speculative sampling), "tre
 tree: expand the `topk` best children of the `topk` best nodes for `depth` levels, keep the
 `verify_tokens` nodes of highest cumulative draft log-prob; verified target-only), "ngram" (the
 model-free drafter: continuation of the longest suffix match in the prompt, the sequence itself and
-its sibling samples, up to `depth` tokens; verified target-only).
+its sibling samples, up to `depth` tokens; verified target-only), "suffix" (the suffix drafter,
+suffix.py: a tree of up to `verify_tokens` nodes and `depth` levels from the longest suffix match over
+the prompt, the sequence, its siblings and the prompt's earlier responses; verified target-only),
+"hybrid" (per row, the suffix tree where its match earns a draft deeper than `depth`, else the learned
+drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in one verification; target-only).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 from tlt.errors import ConfigError
 
-KINDS = ("off", "chain", "tree", "ngram")
+KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -30,30 +34,33 @@ class Strategy:
         for name in ("depth", "topk", "verify_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"Strategy field {name!r} must be >= 1, got {getattr(self, name)}")
-        if self.kind == "tree" and self.verify_tokens < self.depth:
+        if self.kind in ("tree", "hybrid") and self.verify_tokens < self.depth:
             raise ConfigError(f"a tree of depth {self.depth} needs verify_tokens >= depth, got {self.verify_tokens}")
 
     @property
     def uses_drafter(self) -> bool:
-        return self.kind in ("chain", "tree")
+        return self.kind in ("chain", "tree", "hybrid")
 
     @property
     def target_only(self) -> bool:
         """Verified with plain sampling's own uniform at every position (verify.walk): the samples do not
         depend on the drafts, so runs with different drafters draw the same responses."""
-        return self.kind in ("tree", "ngram")
+        return self.kind in ("tree", "ngram", "suffix", "hybrid")
 
     @property
     def name(self) -> str:
         if self.kind == "off":
             return "off"
-        if self.kind == "tree":
-            return f"tree-d{self.depth}-k{self.topk}-v{self.verify_tokens}"
+        if self.kind in ("tree", "hybrid"):
+            return f"{self.kind}-d{self.depth}-k{self.topk}-v{self.verify_tokens}"
+        if self.kind == "suffix":
+            return f"suffix-d{self.depth}-v{self.verify_tokens}"
         return f"{self.kind}-d{self.depth}"
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
-        """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24"."""
+        """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "suffix-d16-v32",
+        "hybrid-d4-k2-v16"."""
         parts = text.split("-")
         fields = {"d": "depth", "k": "topk", "v": "verify_tokens"}
         kwargs = {}

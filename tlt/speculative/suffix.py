@@ -243,30 +243,36 @@ class SuffixIndex:
     def __init__(self, prompt: list[int], history=(), window: SuffixAutomaton | None = None,
                  min_match: int = 1) -> None:
         self.ngram = NgramIndex(prompt)
-        self.sam = SuffixAutomaton()
-        self.prompt_state = self.sam.insert(prompt, 0, 0, PROMPT)
-        self.history = len(history)
-        for i, response in enumerate(history):
-            self.sam.insert(response, self.prompt_state, 1 + i, HISTORY)
-        self.window = window
-        self.min_match = min_match
-        self.prompt_length = len(prompt)
+        self.prompt, self.history, self.window, self.min_match = list(prompt), list(history), window, min_match
+        self.sam: SuffixAutomaton | None = None  # built at the first suffix draft
+        self.prompt_state = 0
         # id(text) -> [text, text id, last state, tokens inserted, window state, window matched, tokens read]
         self._texts: dict[int, list] = {}
+        self._grown: list[list] = []  # entries of texts that grew since the last catch-up
 
     def add(self, text: list[int], old_length: int) -> None:
         """`text` (a sample's prompt + tokens, a list that only grows) grew from old_length tokens."""
         self.ngram.add(text, old_length)
-        if id(text) not in self._texts:
-            self._texts[id(text)] = [text, 1 + self.history + len(self._texts), self.prompt_state,
-                                     self.prompt_length, 0, 0, 0]
+        entry = self._texts.get(id(text))
+        if entry is None:
+            entry = self._texts[id(text)] = [text, 1 + len(self.history) + len(self._texts), None, len(self.prompt),
+                                             0, 0, 0]
+        self._grown.append(entry)
 
     def propose(self, text: list[int], depth: int) -> list[int]:
         """The n-gram drafter's chain (ngram.NgramIndex.propose)."""
         return self.ngram.propose(text, depth)
 
     def _catch_up(self) -> None:
-        for entry in self._texts.values():
+        if self.sam is None:
+            self.sam = SuffixAutomaton()
+            self.prompt_state = self.sam.insert(self.prompt, 0, 0, PROMPT)
+            for i, response in enumerate(self.history):
+                self.sam.insert(response, self.prompt_state, 1 + i, HISTORY)
+        grown, self._grown = self._grown, []
+        for entry in grown:
+            if entry[2] is None:  # a sample's text starts with the prompt, already in
+                entry[2] = self.prompt_state
             text, tid, state, done = entry[0], entry[1], entry[2], entry[3]
             if done < len(text):
                 entry[2] = self.sam.insert(text[done:], state, tid, SAMPLES)

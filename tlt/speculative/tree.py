@@ -67,6 +67,24 @@ def chain_draft(root: torch.Tensor, proposals: list[list[int]]) -> Draft:
     return Draft(tokens, parents, depth, parents > -2)
 
 
+def list_draft(root: torch.Tensor, rows: list[tuple[list[int], list[int]]]) -> Draft:
+    """A tree per row from token lists (suffix and hybrid drafts), right-padded: row b's node i + 1 has
+    token rows[b][0][i] and parent rows[b][1][i] (0: the root), parents listed before their children."""
+    B = root.shape[0]
+    N = 1 + max((len(tokens) for tokens, _ in rows), default=0)
+    tokens = [[0] * N for _ in range(B)]
+    parents = [[-1] + [-2] * (N - 1) for _ in range(B)]
+    depth = [[0] * N for _ in range(B)]
+    for b, (toks, pars) in enumerate(rows):
+        for i, (t, p) in enumerate(zip(toks, pars)):
+            tokens[b][i + 1], parents[b][i + 1], depth[b][i + 1] = t, p, depth[b][p] + 1
+    device = root.device
+    tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
+    tokens_t[:, 0] = root
+    parents_t = torch.tensor(parents, dtype=torch.long, device=device)
+    return Draft(tokens_t, parents_t, torch.tensor(depth, dtype=torch.long, device=device), parents_t > -2)
+
+
 def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.Tensor, strategy, batch) -> Draft:
     """Draft from the drafter's state. f0 [B, H], logits0 [B, V]: its output after the root (the
     feature f_hat at the root's position and the distribution of the next token); base [B]: the root's

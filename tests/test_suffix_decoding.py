@@ -1,0 +1,124 @@
+"""Suffix and hybrid drafts from history are lossless: greedy token for token, sampling the very samples of
+plain decoding with the same seeds, and in distribution (chi-square) with a history of adversarial
+continuations."""
+
+import itertools
+
+import pytest
+import torch
+
+import tlt
+from tlt.adaptive import TunerConfig
+from tlt.speculative import Drafter, Strategy
+from tlt.speculative.history import HistoryDrafts
+
+from test_speculative import (VOCAB, chi_square_pvalue, engine, exact_three_token_distribution, random_target,
+                              tokens_of)
+
+STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8"]
+
+
+def least_likely_continuations(target, prompt, length, count):
+    """`count` responses of `length` tokens, each step the token the target finds least likely (then the
+    next least likely ones): a history that drafts only what the target rejects."""
+    out = []
+    for rank in range(count):
+        seq = list(prompt)
+        for _ in range(length):
+            with torch.no_grad():
+                logits = target(torch.tensor([seq])).logits[0, -1]
+            seq.append(int(logits.argsort()[rank % logits.shape[0]]))
+        out.append(seq[len(prompt):])
+    return out
+
+
+def histories(target, prompts, params, kind):
+    if kind == "none":
+        return None
+    if kind == "plain":  # the responses plain decoding gives with other seeds: often right
+        from dataclasses import replace
+
+        other = tlt.RolloutEngine(target).generate(prompts, replace(params, seed=(params.seed or 0) + 1))
+        return HistoryDrafts([[c.token_ids for c in o.outputs] for o in other], window=[[5, 6, 7, 8, 9]])
+    return HistoryDrafts([least_likely_continuations(target, p, 12, 3) for p in prompts])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("history", ["none", "plain", "adversarial"])
+def test_greedy_suffix_drafts_equal_plain(strategy, history):
+    target = random_target()
+    prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
+    params = tlt.SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = engine(target, strategy, Drafter.from_target(target, seed=1))
+    outputs = spec.generate(prompts, params, history=histories(target, prompts, params, history))
+    assert tokens_of(outputs) == tokens_of(plain)
+    assert spec.stats()["acceptance_length"] >= 1.0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("history", ["plain", "adversarial"])
+def test_sampled_suffix_drafts_reproduce_plain_sampling(strategy, history):
+    """Target-only verification draws each token with plain decoding's uniform for that position: with
+    the same seeds the samples are plain decoding's, whatever the history proposes."""
+    target = random_target(seed=4)
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5]]
+    params = tlt.SamplingParams(n=4, temperature=0.9, top_k=20, top_p=0.9, max_tokens=30, seed=11, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = engine(target, strategy, Drafter.from_target(target, seed=5))
+    outputs = spec.generate(prompts, params, history=histories(target, prompts, params, history))
+    assert tokens_of(outputs) == tokens_of(plain)
+    for out, ref in zip(outputs, plain):
+        for c, r in zip(out.outputs, ref.outputs):
+            assert c.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+    sources = spec.stats()["draft_sources"]
+    assert sources and sum(v[0] for v in sources.values()) > 0
+    if history == "plain":
+        assert sources["history"][2] > 0  # history drafts were accepted, not only proposed
+
+
+def test_history_of_the_same_samples_is_accepted_whole():
+    """A history holding the very responses about to be sampled drafts them: long acceptance."""
+    target = random_target(seed=2)
+    prompts = [[5, 6, 7, 8]]
+    params = tlt.SamplingParams(n=4, temperature=1.0, max_tokens=60, seed=3, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = engine(target, "suffix-d16-v32")
+    outputs = spec.generate(prompts, params, history=HistoryDrafts([[c.token_ids for c in plain[0].outputs]]))
+    assert tokens_of(outputs) == tokens_of(plain)
+    assert spec.stats()["acceptance_length"] >= 6.0
+
+
+def test_adaptive_engine_with_suffix_arms_equals_plain():
+    target = random_target(seed=6)
+    prompts = [[3, 4, 5], [7, 8]]
+    params = tlt.SamplingParams(n=3, temperature=1.0, max_tokens=40, seed=5, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    tuner = TunerConfig(arms=("off", "ngram-d4", "suffix-d8-v16", "hybrid-d3-k2-v8"), epsilon=0.5)
+    spec = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", tuner=tuner,
+                                                               drafter=Drafter.from_target(target, seed=1)))
+    history = histories(target, prompts, params, "plain")
+    assert tokens_of(spec.generate(prompts, params, history=history)) == tokens_of(plain)
+    ran = set(spec.stats()["strategies"])
+    assert {"suffix-d8-v16", "hybrid-d3-k2-v8"} <= ran
+
+
+def test_sampling_with_an_adversarial_history_is_exact():
+    target = random_target(vocab=VOCAB, seed=8, scale=0.6)
+    prompt = list(range(VOCAB)) * 2
+    history = least_likely_continuations(target, prompt, 3, VOCAB) + \
+        [list(c) for c in itertools.product(range(VOCAB), repeat=3) if sum(c) % 7 == 0][:24]
+    spec = engine(target, "suffix-d3-v6", max_batch_size=20_000)
+    params = tlt.SamplingParams(n=20_000, temperature=1.0, top_k=5, max_tokens=3, seed=1, ignore_eos=True)
+    seqs = torch.tensor([c.token_ids for c in spec.generate([prompt], params, history=HistoryDrafts([history]))[0].outputs])
+    counts = torch.bincount((seqs * torch.tensor([VOCAB * VOCAB, VOCAB, 1])).sum(1), minlength=VOCAB ** 3)
+    assert chi_square_pvalue(counts, exact_three_token_distribution(target, prompt, 1.0, 5, 1.0)) > 0.001
+    assert spec.stats()["draft_sources"]["history"][2] > 0  # history drafts were proposed and some accepted
+
+
+def test_strategy_names_of_the_new_arms():
+    for name in ("suffix-d16-v32", "hybrid-d4-k2-v16"):
+        assert Strategy.parse(name).name == name and Strategy.parse(name).target_only
+    assert Strategy.parse("hybrid-d4-k2-v16").uses_drafter and not Strategy.parse("suffix-d16-v32").uses_drafter
+    with pytest.raises(tlt.ConfigError):
+        Strategy.parse("hybrid-d8-k2-v4")
