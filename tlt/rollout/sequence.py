@@ -49,7 +49,7 @@ class Sequence:
     hidden: list[torch.Tensor] = field(default_factory=list)
     layers: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
-    ngram: object | None = None  # the group's NgramIndex, when the engine drafts from n-grams
+    ngram: object | None = None  # the group's drafting index (suffix.SuffixIndex) under speculation
     history: list[int] = field(default_factory=list)  # prompt + tokens, kept only with `ngram`
     spec_steps: int = 0  # speculative verification steps this sequence took part in
     spec_tokens: int = 0  # tokens those steps emitted (acceptance length = spec_tokens / spec_steps)

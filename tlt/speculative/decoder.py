@@ -2,9 +2,10 @@
 
 A step is draft -> verify -> commit:
   - draft: the strategy proposes a token tree per live row (speculative/tree.py: the learned drafter's
-    EAGLE-2 tree or chain; speculative/ngram.py: suffix matches);
+    EAGLE-2 tree or chain; speculative/ngram.py: suffix matches; speculative/suffix.py: frequency-weighted
+    trees from the group and the prompt's earlier responses, or per row the learned tree under "hybrid");
   - verify: one target forward over root + draft with the tree's ancestor mask, at positions
-    n + depth; verify.walk (trees, n-gram chains) or verify.speculative_sample_chain (sampled chains)
+    n + depth; verify.walk (trees, n-gram chains, suffix trees) or verify.speculative_sample_chain (sampled chains)
     picks the accepted path and one more token, exactly from the target's distribution;
   - commit: the target cache keeps only the accepted path (KVCache.compact); the accepted tokens'
     log-probs and features come from the verification forward.
