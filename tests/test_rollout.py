@@ -260,3 +260,19 @@ def test_uniform_draws_do_not_depend_on_how_many_are_drawn_at_once(monkeypatch):
         monkeypatch.setattr(rng, "SMALL", 0)
         assert torch.equal(rng.uniform(keys[:8], counters[:8], stream), together[:8])  # 8 through tensors
         monkeypatch.undo()
+
+
+def test_a_request_for_more_samples_than_max_batch_size_runs_in_parts(qwen2):
+    """Regression: n=300 with max_batch_size=256 was refused. The request's samples are queued in parts
+    of at most max_batch_size; each sample depends only on its seed and index, so nothing changes."""
+    _, model = qwen2
+    prompts = prompts_of([5, 8])
+    params = [tlt.SamplingParams(n=n, temperature=1.0, max_tokens=10, seed=i, ignore_eos=True) for i, n in enumerate([5, 2])]
+    free = tlt.RolloutEngine(model).generate(prompts, params)
+    engine = tlt.RolloutEngine(model, config=tlt.EngineConfig(max_batch_size=2))
+    parts = engine.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in parts] == [[c.token_ids for c in o.outputs] for o in free]
+    assert [len(o.outputs) for o in parts] == [5, 2] and max(engine.stats()["batch_sizes"]) == 2
+    with pytest.raises(tlt.ConfigError, match=r"needs 46 KV tokens \(2 samples admitted together"):
+        tlt.RolloutEngine(model, config=tlt.EngineConfig(max_batch_size=2, kv_budget_tokens=40)).generate(
+            prompts[1:], tlt.SamplingParams(n=3, max_tokens=15))

@@ -3,8 +3,11 @@
 Requests wait in FIFO order as groups (a prompt and its n samples). A group is admitted whole, when
 the live batch has room for its n sequences (`max_batch_size`) and the KV budget has room for their
 worst case (n x (prompt + max new tokens) tokens). Reserving the worst case means a running sequence
-can never run out of cache, so nothing is ever evicted or corrupted; a group that could not fit even in
-an empty engine is rejected up front with an error that says why.
+can never run out of cache, so nothing is ever evicted or corrupted. A request for more samples than
+`max_batch_size` is queued as consecutive parts of at most that many (each prefilled when it is
+admitted; a sample's output depends only on its seed and index, so the parts change nothing); a part
+that could not fit the KV budget even in an empty engine is rejected up front with an error that says
+why.
 """
 
 from __future__ import annotations
@@ -33,15 +36,15 @@ class Scheduler:
         self.waiting: deque[Group] = deque()
 
     def add(self, group: Group) -> None:
-        n = len(group.seqs)
-        if n > self.max_batch_size:
-            raise ConfigError(f"request {group.request_id} asks for n={n} samples but max_batch_size is {self.max_batch_size}")
-        if self.kv_budget_tokens is not None and group.kv_tokens > self.kv_budget_tokens:
-            raise ConfigError(
-                f"request {group.request_id} needs {group.kv_tokens} KV tokens (n x (prompt + max_tokens)) "
-                f"but kv_budget_tokens is {self.kv_budget_tokens}"
-            )
-        self.waiting.append(group)
+        size = self.max_batch_size
+        parts = [Group(group.request_id, group.prompt, group.seqs[i:i + size]) for i in range(0, len(group.seqs), size)]
+        for part in parts:
+            if self.kv_budget_tokens is not None and part.kv_tokens > self.kv_budget_tokens:
+                raise ConfigError(
+                    f"request {group.request_id} needs {part.kv_tokens} KV tokens ({len(part.seqs)} samples admitted "
+                    f"together x (prompt + max_tokens)) but kv_budget_tokens is {self.kv_budget_tokens}"
+                )
+        self.waiting.extend(parts)
 
     def admit(self, running: list[Sequence]) -> list[Group]:
         """Pop the waiting groups that fit next to `running`, in arrival order."""
