@@ -79,3 +79,40 @@ def test_prompt_key_is_stable_and_config_checked():
         HistoryConfig(responses_per_prompt=0)
     with pytest.raises(ConfigError, match="max_bytes"):
         HistoryConfig(max_bytes=True)
+
+
+def test_a_run_drafts_from_earlier_epochs_and_resumes_with_the_same_history(tmp_path):
+    """Prompts come back every 2 steps (8 problems, 4 per step): from step 3 the suffix drafter drafts from
+    the responses of their first epoch. A run killed after step 3 and resumed must draft step 4 from the
+    very history of the uninterrupted run (it is in the checkpoint), so the rows agree, history credit too."""
+    from rl_fixtures import save_tiny_policy, tiny_config
+    from tlt.rl.checkpoint import latest_checkpoint, load_state
+    from tlt.rl.run import train
+
+    model = save_tiny_policy(tmp_path / "model")
+    c = tiny_config(model, speculative="on", strategy="suffix-d8-v16", train_problems=8, steps=4, save_every=1,
+                    max_response_tokens=24)
+
+    def comparable(row):
+        return {k: v for k, v in row.items() if not k.startswith("time_") and k not in ("tokens_per_s",)}
+
+    whole = train(c, tmp_path / "whole", log=lambda *_: None).metrics
+    assert whole[0]["history_hit_rate"] == 0.0 and whole[-1]["history_hit_rate"] == 0.5
+    assert whole[-1]["draft_sources"]["history"][2] > 0  # accepted drafts from the first epoch
+    assert whole[-1]["history_responses"] == 64 and whole[-1]["history_bytes"] > 0
+    train(c, tmp_path / "killed", log=lambda *_: None, stop_after=3)
+    saved = load_state(latest_checkpoint(tmp_path / "killed"))["history"]
+    assert len(saved["entries"]) == 48  # 3 steps x 4 prompts x 4 samples
+    resumed = train(c, tmp_path / "killed", resume=True, log=lambda *_: None).metrics
+    assert comparable(resumed[-1]) == comparable(whole[-1])
+
+
+def test_history_is_kept_only_when_an_arm_drafts_from_it(tmp_path):
+    from rl_fixtures import tiny_config
+
+    assert tiny_config(tmp_path, speculative="on", strategy="ngram-d4").history() is None
+    assert tiny_config(tmp_path, speculative="adaptive", tuner_arms=("off", "suffix-d16-v32")).history() is not None
+    assert tiny_config(tmp_path, speculative="adaptive", tuner_arms=("off", "suffix-d16-v32"),
+                       history_responses=0).history() is None
+    with pytest.raises(ConfigError, match="history_mb"):
+        tiny_config(tmp_path, speculative="on", strategy="suffix-d16-v32", history_mb=0)

@@ -53,6 +53,14 @@ class TrainConfig:
     # Pairs per row a drafting step after plain ones feeds the drafter, the newest (0: all); see
     # tlt/speculative/decoder.py.
     catch_up_window: int = 16
+    # The history store (tlt/speculative/history.py) the suffix and hybrid arms draft from: per prompt the
+    # last history_responses responses of earlier steps, history_mb in all (oldest evicted first),
+    # none older than history_max_age policy versions (0: any), and the run's history_window most recent
+    # responses to any prompt. Kept only when a suffix or hybrid arm can run; history_responses=0: never.
+    history_responses: int = 8
+    history_mb: int = 64
+    history_max_age: int = 0
+    history_window: int = 0
     # --- rollout workers and the adaptive drafter
     workers: int = 0  # rollout workers: 0 = one per core (a local Ray cluster; one per GPU, each holding one,
     # when the trainer runs on CUDA: a single GPU gives the in-process engine), 1 = in-process
@@ -134,7 +142,8 @@ class TrainConfig:
                      "workers",
                      "worker_threads", "drafter_train_every", "drafter_min_pairs", "drafter_max_steps",
                      "drafter_warmup_steps", "drafter_hot_swap_every",
-                     "drafter_local_steps", "catch_up_window"):
+                     "drafter_local_steps", "catch_up_window", "history_responses", "history_max_age",
+                     "history_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"field {name!r} must be an integer >= 0, got {value!r}")
@@ -167,6 +176,7 @@ class TrainConfig:
             self.fault()
         self.spot()  # validates the drafter-training fields
         self.tuner()  # and the tuner's
+        self.history()  # and the history store's
         self.loss()  # validates the loss fields
 
     def spot(self):
@@ -183,6 +193,22 @@ class TrainConfig:
                               seed=self.seed)
         except ConfigError as exc:
             raise ConfigError(f"{exc} (set through the TrainConfig fields drafter_*)") from None
+
+    def history(self):
+        """The history store's config, or None when nothing drafts from history: speculation off, no
+        suffix or hybrid strategy among the arms (or as the strategy), or history_responses=0."""
+        from tlt.speculative.history import HistoryConfig
+        from tlt.speculative.strategy import Strategy
+
+        if self.speculative == "off" or not self.history_responses:
+            return None
+        names = self.tuner_arms if self.speculative == "adaptive" else (self.strategy,)
+        if not any(Strategy.parse(name).kind in ("suffix", "hybrid") for name in names):
+            return None
+        if not isinstance(self.history_mb, int) or self.history_mb < 1:
+            raise ConfigError(f"field 'history_mb' must be an integer >= 1, got {self.history_mb!r}")
+        return HistoryConfig(responses_per_prompt=self.history_responses, max_bytes=self.history_mb << 20,
+                             max_age=self.history_max_age, window=self.history_window)
 
     def tuner(self):
         from tlt.adaptive.tuner import TunerConfig

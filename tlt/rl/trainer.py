@@ -37,6 +37,7 @@ from tlt.rl.distributed import Replicas
 from tlt.rl.episode import Episode, MicroBatch, pack
 from tlt.rl.grpo import group_advantages, zero_variance_groups
 from tlt.rl.update import Diverged, Sample, build_optimizer, token_logprobs, update_policy
+from tlt.speculative.history import HistoryStore
 
 
 def stream_seed(*parts: object) -> int:
@@ -87,6 +88,8 @@ class GRPOTrainer:
         self.step = 0  # optimizer updates done = the policy version the engine must hold
         self._orders: dict[int, list[int]] = {}
         self.reward_failed_steps = 0  # consecutive steps whose every reward call failed
+        # Earlier responses per prompt, the suffix drafter's source (None unless a suffix arm can run)
+        self.history = HistoryStore(c.history()) if c.history() is not None else None
         self.reward = RewardRunner(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
         self.rollout_backend = self.replicas = None
         try:
@@ -301,6 +304,10 @@ class GRPOTrainer:
                        drafter_buffer_bytes=learning.buffer.nbytes)
         if "workers" in stats:
             out["workers"] = stats["workers"]
+        if stats.get("draft_sources"):
+            out["draft_sources"] = stats["draft_sources"]
+        if self.history is not None:
+            out.update(self.history.stats())
         return out
 
     def rollout(self, examples: list[Example], step: int, greedy: bool = False, samples: int | None = None,
@@ -312,8 +319,15 @@ class GRPOTrainer:
         params = [SamplingParams(n=samples or c.group_size, temperature=0.0 if greedy else c.temperature,
                                  top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_response_tokens,
                                  seed=stream_seed(salt, c.seed, step, j)) for j in range(len(examples))]
-        # eval runs on the same engines, but the drafter does not learn from held-out prompts
-        outputs, stats = self.rollout_backend.generate(prompts, params, self.step, step, learn=salt == "train")
+        # eval runs on the same engines, but the drafter does not learn from held-out prompts, and the
+        # history keeps training responses only
+        learn = salt == "train"
+        history = self.history if learn else None
+        drafts = {"history": history.drafts(prompts, self.step)} if history is not None else {}
+        outputs, stats = self.rollout_backend.generate(prompts, params, self.step, step, learn=learn, **drafts)
+        if history is not None:
+            for ids, out in zip(prompts, outputs):
+                history.add(ids, [comp.token_ids for comp in out.outputs], self.step)
         episodes = [
             Episode(j, ex, out.prompt_token_ids, comp.token_ids, comp.logprobs, comp.finish_reason,
                     self.tokenizer.decode(comp.token_ids), acceptance_length=comp.acceptance_length)
@@ -451,7 +465,8 @@ class GRPOTrainer:
         return {"step": self.step, "data_position": self.step * self.config.prompts_per_step,
                 "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
-                "drafter_schedule": learning.schedule.state_dict() if learning is not None else None}
+                "drafter_schedule": learning.schedule.state_dict() if learning is not None else None,
+                "history": self.history.state_dict() if self.history is not None else None}
 
     def restore(self, saved) -> None:
         """Continue from a checkpoint read by `tlt.rl.checkpoint.read_checkpoint`. What can still fail
@@ -487,6 +502,8 @@ class GRPOTrainer:
         random.setstate(state["python_rng"])
         if learning is not None and state.get("drafter_schedule") is not None:
             learning.schedule.load_state_dict(state["drafter_schedule"])
+        if self.history is not None and state.get("history") is not None:
+            self.history.load_state_dict(state["history"])
         if saved.drafter is not None:
             if learning is None:
                 self.log(f"{saved.folder / 'drafter'}: the run is resumed without drafter training; "

@@ -101,11 +101,13 @@ class LocalRollout:
     def load_weights(self, state: dict, version: int) -> None:
         self.engine.load_weights(state, version)
 
-    def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True):
-        """The step's outputs and engine stats; with `learn`, their features go to the drafter's buffer."""
+    def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True, history=None):
+        """The step's outputs and engine stats; with `learn`, their features go to the drafter's buffer.
+        `history` (HistoryDrafts) is what the suffix drafter drafts from besides the groups."""
         learning = self.learning if learn else None
         self.engine.reset_stats()
-        outputs = self.engine.generate(prompts, wants_hidden(params, learning), weights_version=weights_version)
+        outputs = self.engine.generate(prompts, wants_hidden(params, learning), weights_version=weights_version,
+                                       history=history)
         stats = self.engine.stats()
         if learning is not None:
             learning.add(outputs, weights_version)
@@ -157,8 +159,9 @@ class PooledRollout:
     def load_weights(self, state: dict, version: int) -> None:
         self.pool.load_weights(state, version)
 
-    def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True):
-        """The step's outputs (in prompt order) and merged stats; with `learn`, released workers train."""
+    def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True, history=None):
+        """The step's outputs (in prompt order) and merged stats; with `learn`, released workers train.
+        Each worker gets the `history` (HistoryDrafts) of its share."""
         ray = self.pool.ray
         from ray.exceptions import RayActorError
 
@@ -176,7 +179,8 @@ class PooledRollout:
         def submit(w: int) -> None:
             share = shares[w]
             futures[self.pool.actors[w].generate.remote([prompts[i] for i in share], [params[i] for i in share],
-                                                        weights_version)] = w
+                                                        weights_version,
+                                                        history.select(share) if history is not None else None)] = w
 
         for w in range(self.workers):
             submit(w)

@@ -104,8 +104,10 @@ class RolloutWorker:
         if state is not None and self.engine.tuner is not None:
             self.engine.tuner.load_state_dict(state)
 
-    def generate(self, prompts: list[list[int]], params: list, weights_version: int) -> tuple[list, dict]:
-        """(RequestOutputs, engine stats) of one share; hidden states come back as ordinary tensors.
+    def generate(self, prompts: list[list[int]], params: list, weights_version: int,
+                 history=None) -> tuple[list, dict]:
+        """(RequestOutputs, engine stats) of one share, drafting from `history` (HistoryDrafts of the share)
+        too; hidden states come back as ordinary tensors.
         Between engine steps a drafter offered by the spot trainer (`offer_drafter`) is swapped in."""
         fault = self.spec.fault
         armed = fault is not None and self.spec.incarnation == 0 and fault.get("rollout", 0) == self.rollouts
@@ -125,7 +127,7 @@ class RolloutWorker:
         self.engine.step_callback = between_steps
         try:
             self.engine.reset_stats()
-            outputs = self.engine.generate(prompts, params, weights_version=weights_version)
+            outputs = self.engine.generate(prompts, params, weights_version=weights_version, history=history)
         finally:
             self.engine.step_callback = None
             self._offer = None  # an offer that came too late is superseded by the next rollout's drafter
@@ -229,6 +231,12 @@ def merge_stats(parts: Sequence[dict]) -> dict:
     out["mean_step_time_s"] = sum(out["step_times_s"]) / max(len(out["step_times_s"]), 1)
     out["tokens_per_s"] = out["decode_tokens"] / out["wall_time_s"] if out["wall_time_s"] else 0.0
     out["acceptance_length"] = acceptance_length(out)
+    sources: dict[str, list[int]] = {}
+    for p in parts:
+        for name, counts in p.get("draft_sources", {}).items():
+            total = sources.setdefault(name, [0] * len(counts))
+            total[:] = [a + b for a, b in zip(total, counts)]
+    out["draft_sources"] = sources
     return out
 
 
