@@ -11,7 +11,7 @@ from chat_tokenizer import BYTE_VOCAB, build_byte_tokenizer
 from conftest import tiny_hf_model
 from tlt.cli import main
 from tlt.config import build, from_dict
-from tlt.errors import ConfigError
+from tlt.errors import ConfigError, TltError
 from tlt.rl import GRPOTrainer, TrainConfig
 
 from rl_fixtures import save_tiny_policy, tiny_config
@@ -140,3 +140,32 @@ def test_a_reward_failing_on_every_row_shows_in_the_table_and_stops_the_run(mode
     assert row.split()[2] == "16"  # 4 prompts x 4 samples, all failed
     assert any(x.startswith("reward errors: 16 of 16 rows scored 0") for x in lines)
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(speculative="on", strategy="bushy-d3"), "field 'strategy' 'bushy-d3': Strategy field 'kind'"),
+    (dict(speculative="on", strategy="tree-d4-k2-v8"), "'tree-d4-k2-v8' drafts with a learned drafter, but drafter is None"),
+    (dict(speculative="adaptive", drafter="nowhere"), "field 'drafter' 'nowhere': no such folder"),
+    (dict(speculative="adaptive", drafter="default"), r"drafter_config.json \(field 'drafter'\): field 'hidden_size' is 192"),
+    (dict(speculative="on", strategy="chain-d2", drafter="random", drafter_buffer_evict="no_such_module:keep"),
+     "field 'drafter_buffer_evict' 'no_such_module:keep': cannot import"),
+])
+def test_settings_that_cannot_work_fail_before_any_weights_load(model_dir, monkeypatch, fields, message):
+    """Regression: a tree strategy without a drafter failed after the model loaded, with a ValueError
+    traceback; a missing or mismatched drafter and a bad buffer policy also failed only then."""
+    import tlt.model
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the settings were checked")
+
+    monkeypatch.setattr(tlt.model, "load_model", no_weights)
+    with pytest.raises(TltError, match=message):
+        GRPOTrainer(from_dict(TrainConfig, {**vars(tiny_config(model_dir)), **fields}), log=lambda *_: None)
+
+
+def test_a_group_larger_than_max_batch_size_runs(model_dir):
+    """Regression: group_size > max_batch_size passed the config check and failed after the model loaded."""
+    trainer = GRPOTrainer(tiny_config(model_dir, group_size=6, max_batch_size=4), log=lambda *_: None)
+    row = trainer.train_step()
+    trainer.close()
+    assert len(row["response_lengths"]) == 4 * 6 and max(row["live_batch"]) <= 4

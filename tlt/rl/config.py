@@ -169,6 +169,18 @@ class TrainConfig:
                               "engine's log-probs in that dtype are not the trainer's float32 ones")
         if self.speculative == "on" and not self.strategy:
             raise ConfigError("field 'strategy' is needed when speculative=on (e.g. tree-d6-k2-v16 or ngram-d4)")
+        if self.speculative == "on":
+            from tlt.speculative.strategy import Strategy
+
+            try:
+                strategy = Strategy.parse(self.strategy)
+            except ConfigError as exc:
+                raise ConfigError(f"field 'strategy' {self.strategy!r}: {exc}") from None
+            if strategy.uses_drafter and self.rollout_drafter() is None:
+                why = " (auto: there is no built-in drafter for this model)" if self.drafter == "auto" else ""
+                raise ConfigError(f"field 'strategy' {self.strategy!r} drafts with a learned drafter, but drafter is "
+                                  f"{self.drafter!r}{why}; give drafter=DIR (tlt train-drafter makes one) or "
+                                  "drafter=random, or a model-free strategy such as ngram-d4")
         from tlt.device import check_device_name
 
         check_device_name(self.device, "field 'device'")
@@ -178,6 +190,15 @@ class TrainConfig:
         self.tuner()  # and the tuner's
         self.history()  # and the history store's
         self.loss()  # validates the loss fields
+
+    def rollout_drafter(self) -> str | None:
+        """The drafter the rollout engines use: None when speculation is off, "auto" resolved (the built-in
+        drafter for the built-in model, none for any other)."""
+        if self.speculative == "off":
+            return None
+        if self.drafter == "auto":
+            return "default" if self.model == "default" else None
+        return self.drafter
 
     def spot(self):
         from tlt.spot.trainer import SpotConfig

@@ -75,7 +75,9 @@ class GRPOTrainer:
         random.seed(c.seed)
         # What can be checked without weights goes first: a bad model config, dataset row, prompt or
         # reward fails before any model loads or any helper process starts.
-        self.context_length = load_config(c.model).max_position_embeddings
+        model_config = load_config(c.model)
+        self.context_length = model_config.max_position_embeddings
+        self._check_named_settings(model_config)
         self.tokenizer = load_tokenizer(c.model)
         self.train_examples, self.eval_examples = self._load_data()
         self._prompt_ids: dict[int, list[int]] = {}
@@ -101,6 +103,35 @@ class GRPOTrainer:
             self.close()
             raise
 
+    def _check_named_settings(self, model_config) -> None:
+        """The settings that name something outside the config (the drafter folder, buffer policies by
+        import path), checked against the model's config.json before any weights load."""
+        from types import SimpleNamespace
+
+        from tlt.config import import_callable
+        from tlt.model.checkpoint import read_json
+        from tlt.speculative.drafter import BUILTIN_DRAFTERS, DrafterConfig
+
+        c = self.config
+        drafter = c.rollout_drafter()
+        if drafter not in (None, "random"):
+            folder = BUILTIN_DRAFTERS.get(drafter, Path(drafter))
+            if not folder.is_dir():
+                raise ConfigError(f"field 'drafter' {drafter!r}: no such folder (expected a drafter folder holding "
+                                  f"drafter_config.json, one of {sorted(BUILTIN_DRAFTERS)}, random or none)")
+            path = folder / "drafter_config.json"
+            raw = read_json(path)
+            try:
+                config = DrafterConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])
+                                          if raw.get("feature_layers") is not None else None})
+            except TypeError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            config.check_target(SimpleNamespace(config=model_config), f"{path} (field 'drafter')")
+        if drafter is not None and c.drafter_train != "off":
+            for name in ("drafter_buffer_evict", "drafter_buffer_sample"):
+                if getattr(c, name):
+                    import_callable(getattr(c, name), f"field {name!r}")
+
     def _make_rollout(self):
         """The in-process engine (workers=1) or a pool of Ray workers, with online drafter training when
         a learned drafter is in use and `drafter_train` is not off."""
@@ -111,13 +142,11 @@ class GRPOTrainer:
         from tlt.spot.rollout import DrafterLearning, LocalRollout, PooledRollout
 
         c, log = self.config, self.log
-        drafter = c.drafter if c.speculative != "off" else None
-        if drafter == "auto":
-            drafter = "default" if c.model == "default" else None
-            if drafter is None:
-                log(f"drafter=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
-                    "(train one with tlt train-drafter and pass drafter=DIR, or drafter=random to learn one "
-                    "online from scratch)")
+        drafter = c.rollout_drafter()
+        if c.speculative != "off" and c.drafter == "auto" and drafter is None:
+            log(f"drafter=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
+                "(train one with tlt train-drafter and pass drafter=DIR, or drafter=random to learn one "
+                "online from scratch)")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         gpus = torch.cuda.device_count() if self.device.type == "cuda" and c.ray_address is None else 0
         workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
