@@ -14,6 +14,7 @@ BENCHES = {
     "speculative": "tlt.bench.speculative",
     "e2e": "tlt.bench.e2e",
     "trl": "tlt.bench.trl",
+    "history": "tlt.bench.history",
 }
 
 
