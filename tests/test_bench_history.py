@@ -1,0 +1,44 @@
+"""`tlt bench history` on a tiny run: both measurements write their figures and commands into one JSON."""
+
+import json
+
+from tlt.bench.history import counts, epoch_of
+
+from rl_fixtures import save_tiny_policy
+
+
+def test_epochs_and_counts():
+    assert [epoch_of(s, 8, 64) for s in (0, 7, 8, 31)] == [1, 1, 2, 4]
+    stats = {"step_tokens": [3, 8, 2], "batch_sizes": [2, 4, 1], "strategies": ["off", "suffix-d8-v16", "ngram-d4"]}
+    assert counts(stats) == (10, 5)
+
+
+def test_both_measurements_merge_into_one_json(tmp_path):
+    from tlt.cli import main
+
+    model = save_tiny_policy(tmp_path / "model")
+    out = tmp_path / "history.json"
+    shared = ["--problems", "4", "--epochs", "2", "--prompts-per-step", "2", "--group", "2", "--json", str(out),
+              f"model={model}", "drafter=none", "reward=reward_fixtures:digit_fraction", "max_response_tokens=16"]
+    assert main(["bench", "history", "--measure", "acceptance", "--suffix", "suffix-d8-v16",
+                 "--paired", "ngram-d4,suffix-d4-v4", *shared]) == 0
+    first = json.loads(out.read_text())
+    result = first["acceptance"]
+    assert result["same_samples"] and result["steps"] == 4 and [r["epoch"] for r in result["rows"]] == [1, 1, 2, 2]
+    assert result["rows"][0]["history_hit_rate"] == 0.0 and result["rows"][-1]["history_hit_rate"] == 0.5
+    assert first["acceptance_suffix_vs_ngram"] == result["ratio"] > 0
+    assert result["acceptance_epoch_2_on"]["suffix-d8-v16"] / result["acceptance_epoch_2_on"]["ngram-d4"] == \
+        result["ratio"]
+    assert "history" in result["suffix_sources_epoch_2_on"]
+    assert first["acceptance_command"].startswith("tlt bench history --measure acceptance --problems 4")
+    assert main(["bench", "history", "--measure", "speedup", "--arms", "suffix-d8-v16", *shared]) == 0
+    both = json.loads(out.read_text())
+    assert both["acceptance"] == result  # the first measurement's figures are kept
+    speedup = both["speedup"]
+    assert both["speedup_with_suffix_arms"] == speedup["rollout_speedup"] > 0
+    assert speedup["arms_added"] == ["suffix-d8-v16"] and "suffix-d8-v16" not in speedup["arms_without"]
+    assert speedup["matching_steps"] == 4  # target-only arms: the same samples with and without the new arm
+    assert any("suffix-d8-v16" in arms for arms in speedup["choices_by_batch_size_with"].values())
+    assert both["speedup_command"] == ("tlt bench history --measure speedup --problems 4 --epochs 2 "
+                                       f"--prompts-per-step 2 --group 2 --arms suffix-d8-v16 model={model} "
+                                       "drafter=none reward=reward_fixtures:digit_fraction max_response_tokens=16")

@@ -1,0 +1,262 @@
+"""History drafts: a fixed dataset trained for several epochs, suffix drafter vs n-gram drafter on the same samples.
+
+RL revisits each prompt once an epoch, and the suffix drafter (tlt/speculative/suffix.py) drafts from
+the prompt's earlier responses (the run's history store) besides the group. Two measurements, each a GRPO
+run over `--problems` built-in problems (or the config's dataset) for `--epochs` epochs:
+
+  --measure acceptance: one run drafts with the suffix strategy (`--suffix`, speculation on); every
+    training rollout is generated again, same prompts, seeds and weights, by engines sharing its model
+    with each `--paired` strategy (the n-gram drafter first). All strategies verify target-only, so
+    every engine draws the same samples (checked, `same_samples`). Acceptance length (tokens per row per
+    step) per epoch; `acceptance_suffix_vs_ngram` is the suffix drafter's over the n-gram drafter's from
+    epoch 2 on (steps whose prompts were seen before), pooled over those steps' row-steps. Counts
+    tokens, not time: machine load does not matter.
+  --measure speedup: two adaptive runs alternating step by step, the tuner's arms without and with the
+    suffix arms (`--arms`); both draw the same samples (target-only arms; `matching_steps` counts the
+    steps whose responses agree); `speedup_with_suffix_arms` is total rollout time without over with,
+    with the whole-step ratio and the per-bucket arm choices of the run with the new arms.
+
+Both merge their figures and the command line into `--json` (default docs/results/history_drafts.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shlex
+import time
+from pathlib import Path
+
+SUFFIX_ARMS = ("suffix-d16-v32", "hybrid-d4-k4-v16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--measure", choices=("acceptance", "speedup"), default="acceptance")
+    parser.add_argument("--problems", type=int, default=64, help="training problems (the fixed dataset)")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--suffix", default="suffix-d16-v32", help="acceptance: the suffix strategy the run drafts with")
+    parser.add_argument("--paired", default="ngram-d4", help="acceptance: strategies run on the same samples "
+                                                             "(comma-separated; the first is the n-gram baseline)")
+    parser.add_argument("--arms", default=",".join(SUFFIX_ARMS), help="speedup: the arms added to the tuner's")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--json", default="docs/results/history_drafts.json", help="merge the figures into this file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields of the runs")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tlt.bench import comma_list
+    from tlt.config import build
+    from tlt.errors import ConfigError
+    from tlt.rl.config import TrainConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for name in ("problems", "epochs", "prompts_per_step", "group"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    steps = math.ceil(args.epochs * args.problems / args.prompts_per_step)
+    base = build(TrainConfig, None, [f"train_problems={args.problems}", f"prompts_per_step={args.prompts_per_step}",
+                                     f"group_size={args.group}", f"steps={steps}", "eval_every=0", "save_every=0",
+                                     "workers=1", *args.overrides])
+    command = " ".join(["tlt bench history", f"--measure {args.measure}", f"--problems {args.problems}",
+                        f"--epochs {args.epochs}", f"--prompts-per-step {args.prompts_per_step}", f"--group {args.group}",
+                        *([f"--suffix {args.suffix}", f"--paired {args.paired}"] if args.measure == "acceptance"
+                          else [f"--arms {args.arms}"]),
+                        *([f"--threads {args.threads}"] if args.threads else []),
+                        *(shlex.quote(o) for o in args.overrides)])
+    if args.measure == "acceptance":
+        result = acceptance(base, args.suffix, comma_list(args.paired))
+        figures = {"acceptance_suffix_vs_ngram": result["ratio"], "acceptance_command": command,
+                   "acceptance": result}
+    else:
+        result = speedup(base, tuple(comma_list(args.arms)))
+        figures = {"speedup_with_suffix_arms": result["rollout_speedup"], "speedup_command": command,
+                   "speedup": result}
+    if args.json:
+        from tlt.io import atomic_write_json
+
+        path = Path(args.json)
+        merged = json.loads(path.read_text()) if path.exists() else {}
+        merged.update(figures)
+        atomic_write_json(path, merged)
+        print(f"wrote {path}")
+    return 0
+
+
+def epoch_of(step: int, prompts_per_step: int, problems: int) -> int:
+    """1-based epoch of 0-based RL step `step` (the epoch of its first prompt)."""
+    return step * prompts_per_step // problems + 1
+
+
+def counts(stats: dict) -> tuple[int, int]:
+    """(tokens, row-steps) of a rollout's speculative steps (acceptance length = tokens / row-steps)."""
+    pairs = [(t, b) for t, b, s in zip(stats["step_tokens"], stats["batch_sizes"], stats["strategies"]) if s != "off"]
+    return sum(t for t, _ in pairs), sum(b for _, b in pairs)
+
+
+class PairedRollout:
+    """The trainer's rollout backend, plus engines sharing its model that generate every training
+    rollout again with other strategies; records each system's (tokens, row-steps) per rollout and
+    whether its samples equal the backend's."""
+
+    def __init__(self, backend, engines: dict, primary: str) -> None:
+        self.backend, self.engines, self.primary = backend, engines, primary
+        self.rollouts: list[dict] = []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def generate(self, prompts, params, weights_version, step, learn=True, **drafts):
+        outputs, stats = self.backend.generate(prompts, params, weights_version, step, learn=learn, **drafts)
+        if not learn:
+            return outputs, stats
+        record = {self.primary: {"counts": counts(stats), "sources": stats.get("draft_sources", {})}}
+        tokens = [c.token_ids for o in outputs for c in o.outputs]
+        for name, engine in self.engines.items():
+            engine.reset_stats()
+            other = engine.generate(prompts, params, **drafts)
+            other_stats = engine.stats()
+            record[name] = {"counts": counts(other_stats), "sources": other_stats.get("draft_sources", {}),
+                            "same_samples": [c.token_ids for o in other for c in o.outputs] == tokens}
+        self.rollouts.append(record)
+        return outputs, stats
+
+
+def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
+    """Acceptance length of `suffix` and each `paired` strategy on the same samples, by epoch."""
+    from tlt.errors import ConfigError
+    from tlt.rl.trainer import GRPOTrainer
+    from tlt.rollout import EngineConfig, RolloutEngine
+    from tlt.speculative import Drafter, Strategy
+
+    if not paired:
+        raise ConfigError("--paired must name at least the n-gram strategy to compare with")
+    if Strategy.parse(suffix).kind not in ("suffix", "hybrid"):
+        raise ConfigError(f"--suffix must be a suffix or hybrid strategy, got {suffix!r}")
+    for name in paired:
+        if not Strategy.parse(name).target_only:
+            raise ConfigError(f"--paired {name!r} does not verify target-only: its samples would differ")
+    learned = Strategy.parse(suffix).uses_drafter
+    config = dataclasses.replace(base, speculative="on", strategy=suffix, drafter_train="off",
+                                 drafter=base.drafter if learned else None)
+    trainer = GRPOTrainer(config, log=lambda *_: None)
+    if trainer.engine is None:
+        raise ConfigError("the acceptance measurement runs in-process (workers=1)")
+    model, drafter = trainer.engine.model, trainer.engine.drafter
+    engines = {}
+    for name in paired:
+        uses = Strategy.parse(name).uses_drafter
+        if uses and drafter is None:
+            drafter = Drafter.load("default" if base.drafter in (None, "auto") else base.drafter, model)
+        engines[name] = RolloutEngine(model, trainer.tokenizer, EngineConfig(
+            speculative="on", strategy=name, drafter=drafter if uses else None, max_batch_size=config.max_batch_size))
+    trainer.rollout_backend = PairedRollout(trainer.rollout_backend, engines, suffix)
+    problems = len(trainer.train_examples)
+    log(f"{config.model}: {problems} problems x {config.group_size} samples, {config.prompts_per_step} per step, "
+        f"{config.steps} steps; drafting with {suffix}, paired with {', '.join(paired)} on the same samples")
+    start = time.perf_counter()
+    rows = []
+    for step in range(config.steps):
+        metrics = trainer.train_step()
+        record = trainer.rollout_backend.rollouts[-1]
+        row = {"step": step + 1, "epoch": epoch_of(step, config.prompts_per_step, problems),
+               "reward": metrics["reward"], "history_hit_rate": metrics.get("history_hit_rate"),
+               "history_bytes": metrics.get("history_bytes"), **{
+                   name: {"tokens": r["counts"][0], "row_steps": r["counts"][1],
+                          "acceptance_length": r["counts"][0] / max(r["counts"][1], 1), "sources": r["sources"],
+                          **({"same_samples": r["same_samples"]} if "same_samples" in r else {})}
+                   for name, r in record.items()}}
+        rows.append(row)
+        log(f"step {row['step']:3d} epoch {row['epoch']}  " + "  ".join(
+            f"{name} {row[name]['acceptance_length']:.2f}" for name in record))
+    trainer.close()
+    systems = [suffix, *paired]
+
+    def pooled(name, rows):
+        tokens, row_steps = sum(r[name]["tokens"] for r in rows), sum(r[name]["row_steps"] for r in rows)
+        return tokens / row_steps if row_steps else None
+
+    epochs = sorted({r["epoch"] for r in rows})
+    by_epoch = {e: {name: pooled(name, [r for r in rows if r["epoch"] == e]) for name in systems} for e in epochs}
+    later = [r for r in rows if r["epoch"] >= 2]
+    suffix_later, ngram_later = pooled(suffix, later), pooled(paired[0], later)
+    sources: dict[str, list[int]] = {}
+    for r in later:
+        for name, c in r[suffix]["sources"].items():
+            total = sources.setdefault(name, [0, 0, 0])
+            total[:] = [a + b for a, b in zip(total, c)]
+    result = {
+        "model": config.model, "problems": problems, "epochs": max(epochs), "group_size": config.group_size,
+        "prompts_per_step": config.prompts_per_step, "steps": config.steps, "suffix": suffix, "paired": paired,
+        "ratio": suffix_later / ngram_later if suffix_later and ngram_later else None,
+        "acceptance_epoch_2_on": {name: pooled(name, later) for name in systems},
+        "acceptance_by_epoch": by_epoch,
+        # per source of the suffix drafts, epoch 2 on: [row-steps, tokens emitted, draft tokens accepted]
+        "suffix_sources_epoch_2_on": sources,
+        "source_acceptance_epoch_2_on": {name: c[1] / c[0] for name, c in sources.items() if c[0]},
+        "same_samples": all(r[name].get("same_samples", True) for r in rows for name in paired),
+        "rows": rows, "wall_s": time.perf_counter() - start,
+    }
+    ratio = result["ratio"]
+    log(f"acceptance from epoch 2 on: " + ", ".join(f"{n} {v:.2f}" for n, v in result["acceptance_epoch_2_on"].items()
+                                                     if v is not None)
+        + (f"; {suffix} / {paired[0]} = {ratio:.2f}x" if ratio else "")
+        + f"; same samples in every rollout: {result['same_samples']}")
+    return result
+
+
+def speedup(base, arms: tuple[str, ...], log=print) -> dict:
+    """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step."""
+    from tlt.bench.e2e import matching_steps
+    from tlt.errors import ConfigError
+    from tlt.rl.trainer import GRPOTrainer
+
+    if not arms:
+        raise ConfigError("--arms must name at least one arm to add")
+    without = tuple(a for a in base.tuner_arms if a not in arms)
+    configs = {"without": dataclasses.replace(base, speculative="adaptive", tuner_arms=without),
+               "with": dataclasses.replace(base, speculative="adaptive", tuner_arms=without + arms)}
+    trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
+    log(f"{base.model}: {base.train_problems} problems x {base.group_size} samples, {base.steps} steps; tuner arms "
+        f"{','.join(without)} vs + {','.join(arms)}, alternating step by step")
+    rows: dict[str, list[dict]] = {name: [] for name in trainers}
+    start = time.perf_counter()
+    for step in range(base.steps):
+        for name, trainer in trainers.items():
+            rows[name].append(trainer.train_step())
+        log(f"step {step + 1:3d}  " + "  ".join(
+            f"{name} rollout {rows[name][-1]['time_rollout_s']:6.2f}s accept {rows[name][-1]['acceptance_length'] or 0:.2f}"
+            for name in rows))
+    for trainer in trainers.values():
+        trainer.close()
+
+    def total(name, key):
+        return sum(r[key] for r in rows[name])
+
+    choices: dict[str, dict[str, int]] = {}
+    for r in rows["with"]:
+        for size, by_arm in r["strategy_by_batch"].items():
+            for arm, n in by_arm.items():
+                choices.setdefault(size, {}).setdefault(arm, 0)
+                choices[size][arm] += n
+    result = {
+        "model": base.model, "problems": base.train_problems, "group_size": base.group_size, "steps": base.steps,
+        "arms_without": list(without), "arms_added": list(arms),
+        "rollout_speedup": total("without", "time_rollout_s") / total("with", "time_rollout_s"),
+        "step_speedup": total("without", "time_step_s") / total("with", "time_step_s"),
+        "rollout_s": {name: total(name, "time_rollout_s") for name in rows},
+        "matching_steps": matching_steps(rows["without"], rows["with"]),
+        "acceptance_length": {name: [r["acceptance_length"] for r in rows[name]] for name in rows},
+        "choices_by_batch_size_with": dict(sorted(choices.items(), key=lambda kv: int(kv[0]))),
+        "draft_sources_with": [r.get("draft_sources") for r in rows["with"]],
+        "wall_s": time.perf_counter() - start,
+    }
+    log(f"rollout speed-up with the suffix arms: {result['rollout_speedup']:.2f}x (whole step "
+        f"{result['step_speedup']:.2f}x); steps with the same samples: {result['matching_steps']} of {base.steps}")
+    return result
