@@ -169,3 +169,19 @@ def test_a_group_larger_than_max_batch_size_runs(model_dir):
     row = trainer.train_step()
     trainer.close()
     assert len(row["response_lengths"]) == 4 * 6 and max(row["live_batch"]) <= 4
+
+
+def test_accuracy_counts_rewards_at_or_above_the_threshold(model_dir):
+    """Regression: accuracy counted a reward >= 1.0 whatever the reward's scale, so a reward whose best
+    value is 0.5 (the README's example) showed accuracy 0.000 at every eval."""
+    rows = {}
+    for threshold in (1.0, 0.05):
+        trainer = GRPOTrainer(tiny_config(model_dir, accuracy_threshold=threshold, eval_every=1), log=lambda *_: None)
+        episodes, _ = trainer.rollout(trainer.examples_for_step(0), 0)
+        trainer.score(episodes)
+        rows[threshold] = trainer.train_step() | trainer.evaluate()
+        trainer.close()
+        rewards = [e.reward for e in episodes]
+        assert rows[threshold]["accuracy"] == sum(r >= threshold for r in rewards) / len(rewards)
+    assert rows[1.0]["accuracy"] == rows[1.0]["eval_accuracy"] == 0.0  # digit_fraction is below 1 here
+    assert rows[0.05]["accuracy"] > 0 and rows[0.05]["eval_accuracy"] > 0

@@ -30,6 +30,9 @@ class TrainConfig:
     reward: str = "arithmetic"  # a registered reward or an import path module:function
     reward_workers: int = 0  # 0: in-process; >= 1: a process pool with a per-call timeout
     reward_timeout_s: float = 30.0
+    # A response counts as correct (accuracy, eval accuracy, pass@k) when its reward is >= this; the built-in
+    # rewards give 1.0 for a right answer. Set it to what your reward gives a right answer.
+    accuracy_threshold: float = 1.0
     # Stop the run when the reward failed (raised, hung, returned no finite number) on every row of this
     # many consecutive steps (0: never); a step with some rows scored costs only the failed rows.
     reward_failure_steps: int = 3

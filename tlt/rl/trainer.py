@@ -430,8 +430,8 @@ class GRPOTrainer:
 
     # --- eval and metrics ------------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        """Held-out accuracy (fraction of samples with reward >= 1): greedy, and sampled at the training
-        temperature with pass@k over `eval_samples` samples. Seeds are fixed, so curves compare."""
+        """Held-out accuracy (fraction of samples with reward >= accuracy_threshold): greedy, and sampled at
+        the training temperature with pass@k over `eval_samples` samples. Seeds are fixed, so curves compare."""
         from tlt.evaluate import pass_at_k
 
         c = self.config
@@ -442,10 +442,10 @@ class GRPOTrainer:
         sampled, _ = self.rollout(self.eval_examples, 0, samples=c.eval_samples, salt="eval")
         self.score(greedy)
         self.score(sampled)
-        hits = np.array([e.reward >= 1.0 for e in sampled]).reshape(len(self.eval_examples), c.eval_samples)
+        hits = np.array([e.reward >= c.accuracy_threshold for e in sampled]).reshape(len(self.eval_examples), c.eval_samples)
         return {
             "eval_accuracy": float(hits.mean()),
-            "eval_greedy_accuracy": float(np.mean([e.reward >= 1.0 for e in greedy])),
+            "eval_greedy_accuracy": float(np.mean([e.reward >= c.accuracy_threshold for e in greedy])),
             f"eval_pass@{c.eval_samples}": float(np.mean([pass_at_k(c.eval_samples, int(h.sum()), c.eval_samples)
                                                           for h in hits])),
             "eval_response_length": float(np.mean([len(e.completion_ids) for e in sampled])),
@@ -467,7 +467,7 @@ class GRPOTrainer:
         return {
             "step": self.step,
             "reward": float(rewards.mean()),
-            "accuracy": float((rewards >= 1.0).mean()),
+            "accuracy": float((rewards >= self.config.accuracy_threshold).mean()),
             "response_length_mean": float(lengths.mean()),
             "response_length_p50": float(np.percentile(lengths, 50)),
             "response_length_p99": float(np.percentile(lengths, 99)),
