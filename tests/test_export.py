@@ -193,3 +193,30 @@ def test_bad_inputs_give_clear_errors(tiny_model, tmp_path, capsys):
     (tmp_path / "drafter" / "drafter.safetensors").unlink()
     with pytest.raises(tlt.CheckpointError, match="weights file is missing"):
         export_eagle(tmp_path / "drafter", tmp_path / "out", target=tmp_path / "target")
+
+
+def test_a_run_without_a_drafter_says_why_and_what_to_change(tmp_path, capsys):
+    """Regression: export-drafter on a run that never trained a drafter said only that it "holds no drafter"."""
+    import json
+
+    def run_dir(name, metrics=(), **config):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model": "m", "speculative": "adaptive", "drafter": "random",
+                                                        "drafter_train": "acceptance", "drafter_min_pairs": 2048,
+                                                        **config}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(metrics)))
+        return folder
+
+    cases = {
+        "speculative=off": run_dir("off", speculative="off"),
+        "n-gram drafts only (drafter='auto')": run_dir("auto", drafter="auto"),
+        "drafter_train=off": run_dir("frozen", drafter_train="off"),
+        "at most 700 pairs, fewer than drafter_min_pairs=2048": run_dir(
+            "few", [{"drafter_buffer_pairs": 300}, {"drafter_buffer_pairs": 700}]),
+        "no drafter phase ran in 1 steps": run_dir("idle", [{"drafter_buffer_pairs": 5000, "drafter_phase_steps": 0}]),
+    }
+    for why, folder in cases.items():
+        assert main(["export-drafter", str(folder), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "holds no drafter" in err and why in err, (why, err)

@@ -34,6 +34,7 @@ destination and renamed into place, so it is complete or absent.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from tlt.errors import CheckpointError, ConfigError
+from tlt.errors import CheckpointError, ConfigError, TltError
 from tlt.model.config import ModelConfig
 from tlt.speculative.drafter import Drafter, DrafterConfig, check_tensors
 
@@ -65,8 +66,43 @@ def find_drafter(path: str | os.PathLike) -> Path:
     steps = [p for p in (folder / "checkpoints").glob("step_*/drafter") if p.is_dir() and p.parent.name[5:].isdigit()]
     if steps:
         return max(steps, key=lambda p: int(p.parent.name[5:]))
+    why = _why_no_drafter(folder) if (folder / "config.json").is_file() else ""
     raise CheckpointError(f"{folder}: holds no drafter (expected drafter_config.json, drafter/ or "
-                          "checkpoints/step_*/drafter/)")
+                          f"checkpoints/step_*/drafter/){why}")
+
+
+def _why_no_drafter(run: Path) -> str:
+    """Why a GRPO run directory holds no trained drafter, from its config.json and metrics.jsonl, and what
+    to change; "" when the run's files do not say."""
+    from tlt.rl.metrics import read_metrics
+
+    try:
+        config = json.loads((run / "config.json").read_text())
+        rows = read_metrics(run / "metrics.jsonl")
+    except (OSError, ValueError, TltError):
+        return ""
+    get = config.get
+    if get("speculative") == "off":
+        return "; the run did not speculate (speculative=off), so it used no drafter"
+    drafter = get("drafter")
+    if drafter == "auto" and get("model") != "default":
+        drafter = None
+    if drafter in (None, "none"):
+        return (f"; the run drafted with n-gram drafts only (drafter={get('drafter')!r}): give it a drafter to "
+                "train online (drafter=random, or a folder from tlt train-drafter)")
+    if get("drafter_train") == "off":
+        return (f"; the run did not train its drafter (drafter_train=off): the drafter it used is {drafter!r}, "
+                "export that")
+    pairs = max((r.get("drafter_buffer_pairs") or 0 for r in rows), default=0)
+    if pairs < (get("drafter_min_pairs") or 0):
+        return (f"; its drafter never trained: the online buffer held at most {pairs} pairs, fewer than "
+                f"drafter_min_pairs={get('drafter_min_pairs')} (lower it, or train for more steps or longer "
+                "responses)")
+    steps = sum(r.get("drafter_phase_steps") or 0 for r in rows)
+    if steps == 0:
+        return (f"; its drafter never trained: no drafter phase ran in {len(rows)} steps (drafter_train="
+                f"{get('drafter_train')!r}; try drafter_train=every)")
+    return ""
 
 
 def export_eagle(source: str | os.PathLike, out_dir: str | os.PathLike,
