@@ -107,3 +107,23 @@ def test_a_timed_out_call_is_one_failure_naming_its_rows_once(pool):
     assert result.failures[0] == ("data.jsonl:1, data.jsonl:2: reward 'reward_fixtures:by_completion' timed out "
                                   "after 1 s; its worker process was restarted")
     assert len(result.failures) == 2 and result.failures[1].startswith("data.jsonl:3: reward")
+
+
+def test_ctrl_c_reaches_the_trainer_not_the_reward_workers(capfd):
+    """Regression: Ctrl-C during a run with reward workers printed two KeyboardInterrupt tracebacks from
+    the pool (a terminal sends SIGINT to the whole process group) before the clean "interrupted" line."""
+    import os
+    import signal
+    import time
+
+    with RewardRunner("reward_fixtures:by_completion", workers=2, timeout_s=30.0) as runner:
+        for worker in runner._pool:  # while they import
+            os.kill(worker.process.pid, signal.SIGINT)
+        assert score(runner, ROWS).errors == [None] * 4
+        for worker in runner._pool:  # while they wait for a call
+            os.kill(worker.process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(worker.process.is_alive() for worker in runner._pool)
+        assert score(runner, ["a", "x", "c", "d"]).rewards == [1.0, 0.0, 1.0, 1.0]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err

@@ -28,6 +28,8 @@ import math
 import multiprocessing as mp
 import numbers
 import pickle
+import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -102,6 +104,7 @@ def _finite(value: object) -> float | None:
 
 def _serve(conn: Connection, spec: str | RewardFn, kwargs: dict) -> None:
     """A worker's loop: resolve the reward, say "ready" (or why not), then answer calls until None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # when started from a thread, the parent could not
     try:
         fn = get_reward(spec)
     except Exception as exc:
@@ -113,12 +116,22 @@ def _serve(conn: Connection, spec: str | RewardFn, kwargs: dict) -> None:
 
 
 class _Worker:
-    """One spawned worker process and its end of the pipe."""
+    """One spawned worker process and its end of the pipe. It ignores SIGINT: a Ctrl-C in the terminal
+    reaches the whole process group, and the trainer, not each worker, handles it (closing the pool);
+    a worker would otherwise print its own KeyboardInterrupt traceback. The child is started with SIGINT
+    ignored, so it stays ignored from the interpreter's start (Python installs its handler only over the
+    default), through the imports, before `_serve` runs."""
 
     def __init__(self, ctx, spec: str | RewardFn, kwargs: dict):
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, spec, kwargs), daemon=True)
-        self.process.start()
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            self.process.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         child.close()
         self.started = time.monotonic()
         self.ready = False
