@@ -77,7 +77,7 @@ class HistoryStore:
         self._order: OrderedDict[int, str] = OrderedDict()  # seq -> key, oldest first
         self._seq = 0
         self.nbytes = 0
-        self.lookups = self.hits = 0
+        self.lookups = self.hits = 0  # prompts looked up by the last `drafts`, and those with history
 
     def __len__(self) -> int:
         return len(self._order)
@@ -116,10 +116,9 @@ class HistoryStore:
         return [e.tokens.tolist() for e in entries if not age or version is None or version - e.version <= age]
 
     def drafts(self, prompts: list[list[int]], version: int | None = None) -> HistoryDrafts:
-        """The record a rollout of `prompts` drafts from; counts the lookups and hits (prompts with history)."""
+        """The record a rollout of `prompts` drafts from; counts its hits (prompts with history)."""
         responses = [self.responses(p, version) for p in prompts]
-        self.lookups += len(prompts)
-        self.hits += sum(1 for r in responses if r)
+        self.lookups, self.hits = len(prompts), sum(1 for r in responses if r)
         window = []
         if self.config.window:
             for seq in reversed(self._order):
@@ -131,6 +130,7 @@ class HistoryStore:
         return HistoryDrafts(responses, window)
 
     def stats(self) -> dict:
+        """Size of the store, and the share of the last rollout's prompts it had responses for."""
         return {"history_prompts": len(self._prompts), "history_responses": len(self._order),
                 "history_bytes": self.nbytes,
                 "history_hit_rate": self.hits / self.lookups if self.lookups else None}
@@ -142,8 +142,7 @@ class HistoryStore:
         for seq, key in self._order.items():
             entry = next(e for e in self._prompts[key] if e.seq == seq)
             entries.append((key, entry.version, entry.tokens.tobytes()))
-        return {"version": STATE_VERSION, "config": asdict(self.config), "entries": entries,
-                "lookups": self.lookups, "hits": self.hits}
+        return {"version": STATE_VERSION, "config": asdict(self.config), "entries": entries}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output into this store (its own bounds apply, the oldest going first)."""
@@ -165,4 +164,3 @@ class HistoryStore:
         while self.nbytes > self.config.max_bytes and self._order:
             _, key = next(iter(self._order.items()))
             self._drop(self._prompts[key].popleft())
-        self.lookups, self.hits = int(state.get("lookups", 0)), int(state.get("hits", 0))
