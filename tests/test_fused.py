@@ -1,11 +1,27 @@
-"""The fused inference step of a decoder layer (tlt/model/fused.py) against the reference layer, and its
-prepared weights against every way the parameters can change."""
+"""The fused inference step of a decoder layer (tlt/model/fused.py) against the reference layer, on each
+kind of prepared weight (tlt/model/packed.py), and its prepared weights against every way the
+parameters can change."""
 
 import pytest
 import torch
 
+import tlt.model.packed as packed
 from tlt.model.fused import fused_layer_step, uses_fused_step
 from tlt.model.transformer import attention_mask_for
+
+# How the products of the tiny test models run: as the default model's (column-major MKL weights),
+# on weights prepacked for oneDNN (forced: the tiny weights are below PACK_MIN_BYTES), and as on a CPU
+# build without oneDNN.
+PACKINGS = {"column-major": {}, "packed": {"PACK_MIN_BYTES": 0}, "no oneDNN": {"ONEDNN": False, "PACK_MIN_BYTES": 0}}
+
+
+@pytest.fixture(params=PACKINGS)
+def packing(request, monkeypatch):
+    if request.param == "packed" and not packed.ONEDNN:
+        pytest.skip("this PyTorch build has no oneDNN")
+    for name, value in PACKINGS[request.param].items():
+        monkeypatch.setattr(packed, name, value)
+    return request.param
 
 VARIANTS = {
     "qwen3 (q/k norm)": dict(qk_norm=True),
@@ -28,9 +44,10 @@ def fused(layer, *args):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_fused_step_equals_reference_layer(tiny_model, variant):
+def test_fused_step_equals_reference_layer(tiny_model, variant, packing):
     model = tiny_model(seed=2, **VARIANTS[variant])
     layer = model.model.layers[1]
+    assert layer.fused_weights().qkv.packed == (packing == "packed")
     H = model.config.hidden_size
     torch.manual_seed(0)
     # Training forward: causal over 7 tokens, no cache.
@@ -59,7 +76,7 @@ def test_fused_step_equals_reference_layer(tiny_model, variant):
     assert torch.allclose(out, expected, atol=1e-5)
 
 
-def test_fused_drafter_layer_without_input_norm(tiny_model):
+def test_fused_drafter_layer_without_input_norm(tiny_model, packing):
     from tlt.speculative import Drafter
 
     model = tiny_model(seed=1)
@@ -76,19 +93,40 @@ def test_model_runs_the_fused_step_without_gradients_only(tiny_model):
     ids = torch.randint(3, 61, (2, 11))
     with torch.no_grad():
         fused_logits = model(ids).logits
-    assert model.model.layers[0]._fused is not None
+    assert model.model.layers[0]._fused.value is not None
     assert torch.allclose(model(ids).logits.detach(), fused_logits, atol=1e-5)
     assert not uses_fused_step(torch.zeros(1, 1, 8))
     with torch.no_grad():
         assert uses_fused_step(torch.zeros(4, 128, 8))
         assert not uses_fused_step(torch.zeros(4, 129, 8))  # past MAX_ROWS tokens the reference layer is faster
-        assert not uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.bfloat16))
-    # Half precision keeps the reference layer: the same result bit for bit with gradients on or off.
+        assert uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.bfloat16))  # on the CPU
+        assert not uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.float16))
+    # bf16 on the CPU runs the fused step on packed weights, within bf16 rounding of the reference layer.
     half = tiny_model(seed=4).bfloat16()
     with torch.no_grad():
-        off = half(ids).logits
-    assert torch.equal(half(ids).logits.detach(), off)
-    assert half.model.layers[0]._fused is None
+        fused_half = half(ids).logits.float()
+    assert half.model.layers[0]._fused.value is not None
+    reference_half = half(ids).logits.detach().float()
+    scale = reference_half.abs().max()
+    assert (fused_half - reference_half).abs().max() <= 0.03 * scale
+    assert (fused_half.argmax(-1) == reference_half.argmax(-1)).float().mean() >= 0.9
+
+
+def test_bf16_fused_step_within_bf16_rounding_of_float32(tiny_model, packing):
+    """bf16 products take packed oneDNN weights wherever oneDNN exists (whatever their size), plain bf16
+    ones otherwise; either way a cached bf16 forward stays within bf16 rounding of float32's, row by row."""
+    model = tiny_model(seed=3)
+    half = tiny_model(seed=3).bfloat16()
+    ids = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        exact = model(ids).logits
+        cache = half.new_cache(2)
+        prefill = half(ids[:, :8], cache=cache).logits
+        rest = half(ids[:, 8:], cache=cache).logits  # 4 new tokens after 8 cached ones
+    assert half.model.layers[0].fused_weights().qkv.packed == (packing != "no oneDNN")
+    assert cache.dtype == torch.float32  # bf16 keys and values are cached in float32 on the CPU
+    got = torch.cat([prefill, rest], 1).float()
+    assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
 
 
 def no_grad_logits(model, ids):
@@ -116,11 +154,12 @@ def changes():
         other = {k: (v * 1.1).clone() for k, v in model.state_dict().items()}
         model.load_state_dict(other, assign=True)
 
-    def copy_under_no_grad(model):
+    def copy_under_no_grad(model):  # as a weight sync writes the trainer's weights into a rollout copy
         k_proj = model.model.layers[0].self_attn.k_proj
         with torch.no_grad():
             k_proj.weight.copy_(torch.randn_like(k_proj.weight))
             model.model.layers[1].post_attention_layernorm.weight.mul_(1.5)
+            model.lm_head.weight.mul_(-1)  # untied here: the LM head's packed weight must follow too
 
     def cast_round_trip(model):
         model.double()
@@ -136,10 +175,11 @@ def changes():
 
 
 @pytest.mark.parametrize("change", changes(), ids=lambda f: f.__name__)
-def test_fused_weights_follow_parameter_changes(tiny_model, change):
-    """The prepared weights are keyed by each parameter's storage and version: after any of these
-    changes the next inference forward must use the new weights, never the ones prepared before."""
-    model = tiny_model(seed=6)
+def test_fused_weights_follow_parameter_changes(tiny_model, change, packing):
+    """The prepared weights (fused, packed, the LM head's) are keyed by each parameter's storage and
+    version: after any of these changes the next inference forward must use the new weights, never the
+    ones prepared before."""
+    model = tiny_model(seed=6, tie_word_embeddings=change.__name__ != "copy_under_no_grad")
     ids = torch.randint(3, 61, (2, 9))
     before = no_grad_logits(model, ids)  # prepares the fused weights
     change(model)
@@ -148,7 +188,7 @@ def test_fused_weights_follow_parameter_changes(tiny_model, change):
     assert torch.allclose(after, grad_logits(model, ids), atol=1e-5)
 
 
-def test_a_deep_copy_prepares_weights_from_its_own_parameters(tiny_model):
+def test_a_deep_copy_prepares_weights_from_its_own_parameters(tiny_model, packing):
     """A copy made after inference (the engine's model copied for a worker, say) carries the prepared
     weights and the tables they are keyed by; both must refer to the copy's parameters."""
     import copy

@@ -351,3 +351,23 @@ def test_attend_equals_scaled_dot_product_attention(heads, kv_heads):
         if T == 1:
             assert torch.allclose(attend(q, k, v, None), F.scaled_dot_product_attention(
                 q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bf16_logits_within_bf16_rounding_of_transformers_bf16(hf_folder, arch):
+    """bf16 on the CPU runs the fused step on prepacked oneDNN weights with a float32 KV cache; its logits
+    (a padded prefill, then cached decode steps of 1 and 3 tokens) stray from float32's no further than
+    transformers' own bf16 forward does, on the same weights."""
+    hf, folder = hf_folder(arch, **ROPE_CASES[arch])
+    hf_half = type(hf).from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = tlt.load_model(folder, dtype="bfloat16")
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exact = hf(ids).logits
+        theirs = hf_half(ids).logits.float()
+        cache = model.new_cache(2)
+        ours = torch.cat([model(ids[:, :20], cache=cache).logits, model(ids[:, 20:21], cache=cache).logits,
+                          model(ids[:, 21:], cache=cache).logits], 1).float()
+    assert model.model.layers[0]._fused.value is not None
+    their_error = (theirs - exact).abs().max()
+    assert (ours - exact).abs().max() <= 2 * their_error + 1e-2

@@ -77,6 +77,19 @@ def test_greedy_speculative_equals_plain(strategy, kind):
     assert all(c.acceptance_length >= 1.0 for o in outputs for c in o.outputs)  # per sequence too
 
 
+@pytest.mark.parametrize("strategy", ["chain-d3", "tree-d4-k3-v10"])
+def test_greedy_speculative_equals_plain_in_bf16(strategy):
+    """bf16 rollouts (prepacked oneDNN weights, float32 KV cache): verifying 4-10 tokens in one forward
+    picks the same greedy tokens as decoding them one by one."""
+    target = random_target(scale=0.6).bfloat16()
+    prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
+    params = tlt.SamplingParams(n=2, temperature=0, max_tokens=48, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = engine(target, strategy, Drafter.from_target(target, seed=1))
+    assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
+    assert target.model.layers[0]._fused.value is not None
+
+
 def test_greedy_accepts_long_runs_when_drafts_are_right():
     """Greedy decoding of a random target falls into a cycle, which the n-gram drafter then predicts
     exactly: whole drafts must be accepted (the compaction of many accepted nodes is exercised) and
@@ -107,11 +120,13 @@ def test_logprobs_and_features_equal_full_forward(strategy):
         assert (c.hidden_states - full.hidden_states[0, len(prompt) - 1 : -1]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strategy", ["tree-d4-k3-v10", "ngram-d4"])
-def test_target_only_verification_reproduces_plain_sampling(strategy):
+def test_target_only_verification_reproduces_plain_sampling(strategy, dtype):
     """Tree and n-gram verification draw each token with the uniform plain decoding uses at that
-    position, so with the same seed the samples are the same, token for token."""
-    target = random_target(seed=4)
+    position, so with the same seed the samples are the same, token for token (bf16 too: prepacked
+    weights, float32 KV cache)."""
+    target = random_target(seed=4).to(dtype)
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5]]
     params = tlt.SamplingParams(n=4, temperature=1.0, max_tokens=30, seed=11, ignore_eos=True)
     plain = tlt.RolloutEngine(target).generate(prompts, params)
@@ -190,6 +205,19 @@ def test_sampling_is_exact(kind, strategy, temperature, top_k, top_p):
     assert chi_square_pvalue(counts, probs) > 0.001
     if kind != "adversarial":  # the adversarial drafter's proposals are mostly (top-p: all) rejected
         assert spec.stats()["acceptance_length"] > 1.0  # drafts were really accepted, not just rejected
+
+
+@pytest.mark.parametrize("kind,strategy,temperature,top_k,top_p", [SETTINGS[0], SETTINGS[3]])
+def test_sampling_is_exact_on_prepacked_weights(monkeypatch, kind, strategy, temperature, top_k, top_p):
+    """The chi-square test with every product of target and drafter on prepacked oneDNN weights (the
+    tiny weights are below the size where packing is chosen, so it is forced)."""
+    import tlt.model.packed as packed
+
+    if not packed.ONEDNN:
+        pytest.skip("this PyTorch build has no oneDNN")
+    monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
+    test_sampling_is_exact(kind, strategy, temperature, top_k, top_p)
+    assert random_target(vocab=VOCAB).model.layers[0].fused_weights().qkv.packed
 
 
 def test_chi_square_catches_a_biased_verifier(monkeypatch):

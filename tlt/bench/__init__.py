@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 BENCHES = {
     "forward": "tlt.bench.forward",
+    "roofline": "tlt.bench.roofline",
     "rollout": "tlt.bench.rollout",
     "speculative": "tlt.bench.speculative",
     "e2e": "tlt.bench.e2e",

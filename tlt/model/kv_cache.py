@@ -17,6 +17,10 @@ index arithmetic leaks into the engine:
   - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch);
   - `fork(counts)`: repeat each row counts[b] times (n samples of one prompt share one prefill);
   - `concat(caches)`: join batches (admitting freshly prefilled requests).
+Keys and values of a bf16 model on the CPU are stored in float32 (`cache_dtype`): CPU batched matmuls in
+bf16 cost 2-5x their float32 twins at decode sizes (and 5x more again on a cache slice), so attention
+runs in float32 on bf16 q/k/v, which also keeps its precision. This doubles the cache's bytes, small
+next to the weights a small-batch decode step streams.
 The shortest and longest row lengths are kept as Python ints next to `lengths`, read once per change
 (not at all when every row advances alike), so writes and masks do not read them from the device.
 """
@@ -24,6 +28,11 @@ The shortest and longest row lengths are kept as Python ints next to `lengths`, 
 from __future__ import annotations
 
 import torch
+
+
+def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype keys and values of a model in `dtype` on `device` are cached in (module docstring)."""
+    return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
 
 
 class KVCache:
@@ -47,7 +56,7 @@ class KVCache:
     def for_model(cls, model: torch.nn.Module, batch_size: int, **kwargs) -> "KVCache":
         c = model.config
         p = next(model.parameters())
-        kwargs.setdefault("dtype", p.dtype)
+        kwargs.setdefault("dtype", cache_dtype(p.dtype, p.device))
         kwargs.setdefault("device", p.device)
         return cls(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, **kwargs)
 
@@ -138,8 +147,8 @@ class KVCache:
         else:
             slots = self.lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
             rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(slots)
-            keys[rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, C, D]
-            values[rows, :, slots] = v.transpose(1, 2)
+            keys[rows, :, slots] = k.transpose(1, 2).to(self.dtype)  # [B, T, H_kv, D] into [B, H_kv, C, D]
+            values[rows, :, slots] = v.transpose(1, 2).to(self.dtype)
         end = longest + T
         return keys[:, :, :end], values[:, :, :end]
 

@@ -30,9 +30,10 @@ from torch import nn
 
 from tlt.model.attention import attend
 from tlt.model.config import ModelConfig
-from tlt.model.fused import FusedWeights, fused_layer_step, uses_fused_step
+from tlt.model.fused import FusedWeights, fused_layer_step, parameter_key, uses_fused_step
 from tlt.model.kv_cache import KVCache
 from tlt.model.layout import ColumnMajorLinears, column_major_linears
+from tlt.model.packed import Prepared, inference_linear
 from tlt.model.rope import RopeTables, apply_rope, inverse_frequencies
 
 
@@ -108,15 +109,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
-        self._fused: FusedWeights | None = None
+        self._fused = Prepared()  # FusedWeights
         self._tables = [m._parameters for m in self.modules()]  # what the fused weights are keyed by
 
     def fused_weights(self) -> FusedWeights:
         """The weights of the fused inference step (tlt/model/fused.py), rebuilt when a parameter changed."""
-        key = FusedWeights.key_of(self._tables)
-        if self._fused is None or self._fused.key != key:
-            self._fused = FusedWeights.build(self, key)
-        return self._fused
+        return self._fused.get(parameter_key(self._tables), lambda: FusedWeights.build(self))
 
     def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
         if uses_fused_step(x):
@@ -222,6 +220,7 @@ class Transformer(ColumnMajorLinears, OnLMHead, nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling_factor = scaling
         self.rope = RopeTables()
+        self._head = Prepared()  # the LM head's PackedLinear
         self.apply(self._init)
         column_major_linears(self)
 
@@ -266,7 +265,7 @@ class Transformer(ColumnMajorLinears, OnLMHead, nn.Module):
             base = cache.lengths
             position_ids_used = base[:, None] + torch.arange(T, device=device) if position_ids is None else position_ids
             bound = cache.max_length + T if position_ids is None else None
-            mask = attention_mask_for(cache, T, tree_mask, attention_mask, x.dtype)
+            mask = attention_mask_for(cache, T, tree_mask, attention_mask, cache.dtype)
         cos, sin = self.rope(position_ids_used, self.inv_freq, self.rope_scaling_factor, x.dtype, bound)
         wanted = set(output_layers)
         layer_states = {}
@@ -280,7 +279,11 @@ class Transformer(ColumnMajorLinears, OnLMHead, nn.Module):
         picked = hidden if logit_index is None else torch.gather(
             hidden, 1, logit_index[..., None].expand(-1, -1, hidden.shape[-1])
         )
-        return ModelOutput(self.lm_head(picked), hidden, layer_states)
+        return ModelOutput(self.head(picked), hidden, layer_states)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits [..., V] of features [..., H] (on prepacked weights without gradients)."""
+        return inference_linear(self._head, self.lm_head, hidden)
 
     def save_pretrained(self, directory, **kwargs) -> None:
         """Write config.json, generation_config.json and model.safetensors that transformers loads."""

@@ -36,8 +36,9 @@ from torch import nn
 
 from tlt.errors import CheckpointError
 from tlt.model.config import ModelConfig
-from tlt.model.kv_cache import KVCache
+from tlt.model.kv_cache import KVCache, cache_dtype
 from tlt.model.layout import ColumnMajorLinears
+from tlt.model.packed import Prepared, inference_linear
 from tlt.model.transformer import DecoderLayer, Transformer, additive, attention_mask_for, training_mask
 
 
@@ -92,6 +93,7 @@ class Drafter(ColumnMajorLinears, nn.Module):
         # The target is held outside the module tree: its weights are neither trained nor saved here.
         self.__dict__["target"] = target
         self.fc = nn.Linear(2 * H, H, bias=True)
+        self._fc = Prepared()  # fc's PackedLinear for inference
         self.layer = DecoderLayer(layer_config(target.config), input_norm=False)
         if self.config.feature_layers:
             self.fuse = nn.Linear(len(self.config.feature_layers) * H, H, bias=False)
@@ -115,7 +117,7 @@ class Drafter(ColumnMajorLinears, nn.Module):
 
     def new_cache(self, batch_size: int, **kwargs) -> KVCache:
         c = self.target.config
-        kwargs.setdefault("dtype", self.fc.weight.dtype)
+        kwargs.setdefault("dtype", cache_dtype(self.fc.weight.dtype, self.fc.weight.device))
         kwargs.setdefault("device", self.fc.weight.device)
         return KVCache(1, batch_size, c.num_key_value_heads, c.head_dim, **kwargs)
 
@@ -144,18 +146,20 @@ class Drafter(ColumnMajorLinears, nn.Module):
         pairs (training; attention_mask marks real pairs, a position 0 starts a new packed sequence)."""
         target = self.target
         embedded = F.embedding(tokens, target.model.embed_tokens.weight.detach())  # [B, T, H], frozen
-        x = self.fc(torch.cat([embedded.to(features.dtype), features], dim=-1))  # [B, T, H]
+        x = inference_linear(self._fc, self.fc, torch.cat([embedded.to(features.dtype), features], dim=-1))  # [B, T, H]
         B, T = tokens.shape
         if cache is None:
             mask = additive(training_mask(attention_mask, position_ids, B, T, x.device), x.dtype)
         else:
-            mask = attention_mask_for(cache, T, tree_mask, attention_mask, x.dtype)
+            mask = attention_mask_for(cache, T, tree_mask, attention_mask, cache.dtype)
         cos, sin = target.rope(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
         f_hat = self.layer(x, cos, sin, mask, cache, 0)  # [B, T, H], straight to the LM head
         if cache is not None:
             cache.advance(attention_mask.long().sum(1) if attention_mask is not None else T)
         # The LM head is the target's and frozen: no gradient may reach it from drafter training.
-        return f_hat, F.linear(f_hat, target.lm_head.weight.detach())
+        if torch.is_grad_enabled():
+            return f_hat, F.linear(f_hat, target.lm_head.weight.detach())
+        return f_hat, target.head(f_hat)
 
     # --- persistence -------------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,73 @@
+"""`tlt bench roofline` on a tiny model: the JSON fields its targets are read from, tlt against
+transformers on the same weights, and the model choices it accepts."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from tlt.bench import roofline
+
+
+@pytest.fixture
+def small_machine(monkeypatch):
+    """Machine measurements over a few MB, so the test measures the shape of the output, not the machine."""
+    monkeypatch.setattr(roofline, "BANDWIDTH_BYTES", 1 << 22)
+    monkeypatch.setattr(roofline, "PRODUCT_WEIGHTS", (2, 256, 128))
+
+
+def args_for(model, tmp_path, **overrides):
+    fields = dict(model=str(model), dtype="float32", threads=1, prompt_len=8, repeats=2, no_hf=False,
+                  json=tmp_path / "roofline.json")
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_machine, dtype):
+    _, folder = hf_folder("qwen3", seed=1)
+    assert roofline.run(args_for(folder, tmp_path, dtype=dtype)) == 0
+    record = json.loads((tmp_path / "roofline.json").read_text())
+    assert record["bandwidth_gb_s"] > 0 and record["plain_1_row_gb_s"] > 0
+    rows = record["rows"]
+    expected = {(1, t) for t in roofline.NEW_TOKENS} | {(b, 1) for b in roofline.BATCHES}
+    for system in ("tlt", "transformers"):
+        shapes = {(r["batch"], r["new_tokens"]) for r in rows if r["system"] == system}
+        assert shapes == expected
+    for r in rows:
+        assert set(r) >= {"model", "dtype", "system", "weight_bytes", "batch", "new_tokens", "ms"}
+        assert r["dtype"] == dtype and r["ms"] > 0 and len(r["samples_ms"]) == 2
+    s = record["summary"]
+    one = next(r["ms"] for r in rows if (r["system"], r["batch"], r["new_tokens"]) == ("tlt", 1, 1))
+    assert s["tlt_one_token_ms"] == one
+    assert s["bandwidth_fraction"] == pytest.approx(s["bandwidth_limit_ms"] / one)
+    assert {"t9_vs_t1", "t17_vs_t1", "vs_transformers_batch1", "product_share_one_token"} <= set(s)
+
+
+def test_streamed_bytes_counts_a_tied_head_once(tiny_model):
+    untied = tiny_model(seed=0)
+    tied = tiny_model(seed=0, tie_word_embeddings=True)
+    total = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())
+    embed_bytes = untied.model.embed_tokens.weight.numel() * 4
+    assert roofline.streamed_bytes(untied) == total(untied) - embed_bytes  # the table is looked up, not streamed
+    assert roofline.streamed_bytes(tied) == total(tied)  # the same tensor is the LM head
+
+
+def test_random_large_is_out_of_cache_and_deep_enough():
+    """The regime the bench is for: at least 128 MB of bf16 weights and 12 layers (built on the meta
+    device: only the shape matters here)."""
+    from tlt.model import ModelConfig, Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**roofline.RANDOM_LARGE)).to(torch.bfloat16)
+    assert roofline.streamed_bytes(model) >= 128 * 2**20
+    assert model.config.num_hidden_layers >= 12
+
+
+def test_roofline_refuses_a_prompt_past_the_context(hf_folder, tmp_path, small_machine):
+    from tlt.errors import TltError
+
+    _, folder = hf_folder("llama", seed=2)
+    with pytest.raises(TltError, match="--prompt-len 250"):
+        roofline.run(args_for(folder, tmp_path, prompt_len=250, no_hf=True))

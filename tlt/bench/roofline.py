@@ -1,0 +1,294 @@
+"""Roofline of cached decoding: forward cost by new tokens and batch against this machine's memory bandwidth.
+
+A decode step of a model larger than the last-level cache reads every weight once, so its floor is
+weight bytes / read bandwidth (the "bandwidth limit"), and speculative decoding pays as far as a forward
+over T new tokens costs about one over a single token. The bench measures, in one run:
+  - the machine: read bandwidth (a sum over 1 GB of float32), and the best product throughput of the
+    kernels available in the model's dtype: prepacked oneDNN weights and plain `F.linear` at 1 row
+    (GB/s of weight streamed, over weights larger than the cache) and at 256 rows (GFLOP/s);
+  - the model, tlt and transformers on the same weights and dtype: one cached forward of T new tokens
+    per row after P cached ones, at batch 1 for T = 1, 5, 9, 17, 33, and at batch 4, 16, 64 for T = 1.
+Repeats alternate the systems and measurements (rotated each repeat) so drift hits all alike; every
+figure is a median over repeats. `--model random-large` is a random Qwen3-shaped model of at least
+128 MB in the chosen dtype and 12 layers, for the memory-bound regime without a trained checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from tlt.bench import rotation
+
+NEW_TOKENS = (1, 5, 9, 17, 33)  # at batch 1
+BATCHES = (4, 16, 64)  # at one new token
+BANDWIDTH_BYTES = 1 << 30  # the array the read bandwidth is summed over
+PRODUCT_WEIGHTS = (16, 4096, 2048)  # count and shape of the weights products stream: 256 MB in bf16
+# About 174 M parameters: 12 layers of Qwen3's 0.6 B width (hidden 1024, 16 / 8 heads) with a 32 k
+# vocabulary tied to the embedding; 348 MB in bf16, 11x this CPU's L3.
+RANDOM_LARGE = dict(
+    architecture="Qwen3ForCausalLM", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+    num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8, head_dim=64, qk_norm=True,
+    tie_word_embeddings=True, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.bench.forward import _positive_int
+
+    parser.add_argument("--model", default="random-large",
+                        help="model folder, built-in name, or random-large (default)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--prompt-len", type=_positive_int, default=200, help="cached tokens per row (P)")
+    parser.add_argument("--repeats", type=_positive_int, default=7)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
+    """Read bandwidth and the best product throughput of the available kernels in `dtype` (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from tlt.model.packed import ONEDNN
+
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    bandwidth = BANDWIDTH_BYTES / _median_seconds(data.sum, repeats) / 1e9
+    del data
+    count, rows, cols = PRODUCT_WEIGHTS
+    weights = [torch.randn(rows, cols).to(dtype) for _ in range(count)]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    flops_256 = 2 * 256 * sum(w.numel() for w in weights)
+    one, many = torch.randn(1, cols).to(dtype), torch.randn(256, cols).to(dtype)
+    out = {"bandwidth_gb_s": bandwidth}
+    with torch.inference_mode():
+        plain = {"plain": lambda x: [F.linear(x, w) for w in weights]}
+        if ONEDNN:
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+            plain["onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
+        for name, run in plain.items():
+            out[f"{name}_1_row_gb_s"] = nbytes / _median_seconds(lambda: run(one), repeats) / 1e9
+            out[f"{name}_256_rows_gflop_s"] = flops_256 / _median_seconds(lambda: run(many), 3) / 1e9
+    return out
+
+
+def random_large(dtype, seed: int = 0):
+    """A randomly initialised tlt model of shape RANDOM_LARGE in `dtype`."""
+    import torch
+
+    from tlt.model import ModelConfig, Transformer
+
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(**RANDOM_LARGE)).to(dtype).eval()
+
+
+def streamed_bytes(model) -> int:
+    """Bytes of weight one decode step reads: every parameter but the embedding table, of which a
+    step reads a few rows (its LM head counts where the two are tied)."""
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embed
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)
+
+
+class System:
+    """One model under test: prefill B rows of P tokens once, then time forwards of T new tokens."""
+
+    def __init__(self, name: str, model, prompt_len: int, vocab: int) -> None:
+        self.name, self.model, self.prompt_len, self.vocab = name, model, prompt_len, vocab
+        self.caches: dict[int, Any] = {}
+
+    def prefill(self, batch: int, ids) -> None:
+        raise NotImplementedError
+
+    def forward(self, batch: int, new_ids) -> Callable[[], Any]:
+        raise NotImplementedError
+
+
+class TltSystem(System):
+    def prefill(self, batch, ids):
+        cache = self.model.new_cache(batch)
+        self.model(ids, cache=cache)
+        self.caches[batch] = cache
+
+    def forward(self, batch, new_ids):
+        cache = self.caches[batch]
+
+        def run():
+            cache.rollback(self.prompt_len)
+            return self.model(new_ids, cache=cache).logits
+
+        return run
+
+
+class HFSystem(System):
+    def prefill(self, batch, ids):
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.caches[batch] = getattr(self.model(ids, use_cache=True), self.cache_arg)
+
+    def forward(self, batch, new_ids):
+        past = copy.deepcopy(self.caches[batch])  # a fresh copy per timed forward, made outside the timing
+        return lambda: self.model(new_ids, use_cache=True, **{self.cache_arg: past}).logits
+
+
+def measure(model, hf, prompt_len: int, repeats: int) -> list[dict[str, Any]]:
+    """Median ms of each (system, batch, new tokens) forward; systems and shapes alternate per repeat."""
+    import torch
+
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, t) for t in NEW_TOKENS] + [(b, 1) for b in BATCHES]
+    systems = [TltSystem("tlt", model, prompt_len, vocab)]
+    if hf is not None:
+        systems.append(HFSystem("transformers", hf, prompt_len, vocab))
+    ids = {b: torch.randint(vocab, (b, prompt_len), generator=gen) for b in {b for b, _ in shapes}}
+    new = {shape: torch.randint(vocab, shape, generator=gen) for shape in shapes}
+    samples: dict[tuple, list[float]] = {}
+    with torch.inference_mode():
+        for system in systems:
+            for b in ids:
+                system.prefill(b, ids[b])
+        cases = [(s, shape) for shape in shapes for s in systems]
+        for r in range(repeats + 1):  # repeat 0 warms up (packs weights, grows caches)
+            for system, (b, t) in rotation(cases, r):
+                run = system.forward(b, new[(b, t)])
+                start = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - start
+                if r:
+                    samples.setdefault((system.name, b, t), []).append(seconds)
+    return [{"system": name, "batch": b, "new_tokens": t, "ms": 1e3 * statistics.median(s), "samples_ms": [1e3 * x for x in s]}
+            for (name, b, t), s in samples.items()]
+
+
+def product_share(model, prompt_len: int, steps: int = 5) -> float:
+    """The share of a batch-1 one-token forward's CPU time spent inside matrix products (profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    products = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm"}
+    system = TltSystem("tlt", model, prompt_len, model.config.vocab_size)
+    with torch.inference_mode():
+        system.prefill(1, torch.randint(model.config.vocab_size, (1, prompt_len)))
+        run = system.forward(1, torch.randint(model.config.vocab_size, (1, 1)))
+        run()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                run()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in products) / total if total else 0.0
+
+
+def summarize(rows: list[dict], limit_ms: float) -> dict[str, Any]:
+    """Ratios the targets are stated in: cost of T tokens over 1, fraction of the bandwidth limit,
+    speed over transformers."""
+    ms = {(r["system"], r["batch"], r["new_tokens"]): r["ms"] for r in rows}
+    one = ms[("tlt", 1, 1)]
+    out: dict[str, Any] = {
+        "tlt_one_token_ms": one,
+        "bandwidth_limit_ms": limit_ms,
+        "one_token_vs_limit": one / limit_ms,
+        "bandwidth_fraction": limit_ms / one,
+        **{f"t{t}_vs_t1": ms[("tlt", 1, t)] / one for t in NEW_TOKENS[1:]},
+        **{f"batch{b}_vs_batch1": ms[("tlt", b, 1)] / one for b in BATCHES},
+    }
+    if ("transformers", 1, 1) in ms:
+        out["vs_transformers_batch1"] = ms[("transformers", 1, 1)] / one
+        out["vs_transformers"] = {f"b{b}_t{t}": ms[("transformers", b, t)] / ms[("tlt", b, t)]
+                                  for (s, b, t) in ms if s == "tlt"}
+    return out
+
+
+def format_table(rows: list[dict], limit_ms: float) -> str:
+    ms = {(r["system"], r["batch"], r["new_tokens"]): r["ms"] for r in rows}
+    systems = sorted({r["system"] for r in rows}, key=lambda s: s != "tlt")
+    header = f"{'batch':>5} {'new':>4}" + "".join(f"  {s + ' ms':>16} {'x T=1':>6}" for s in systems) + f"  {'limit / tlt':>11}"
+    lines = [header, "-" * len(header)]
+    for b, t in [(1, t) for t in NEW_TOKENS] + [(b, 1) for b in BATCHES]:
+        cells = "".join(f"  {ms[(s, b, t)]:>16.2f} {ms[(s, b, t)] / ms[(s, 1, 1)]:>6.2f}" for s in systems)
+        lines.append(f"{b:>5} {t:>4}{cells}  {limit_ms / ms[('tlt', b, t)]:>11.2f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import tlt
+    from tlt.bench.forward import _all_cores
+    from tlt.errors import TltError
+    from tlt.io import atomic_write_json
+    from tlt.model.checkpoint import resolve_model_path
+
+    torch.set_num_threads(args.threads or _all_cores())
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="tlt-bench-roofline-") as scratch:
+        if args.model == "random-large":
+            model = random_large(dtype)
+            folder = Path(scratch) / "random-large"
+            if not args.no_hf:
+                model.save_pretrained(folder)
+        else:
+            folder = resolve_model_path(args.model)
+            model = tlt.load_model(folder, dtype=args.dtype)
+        if args.prompt_len + max(NEW_TOKENS) > model.config.max_position_embeddings:
+            raise TltError(f"--prompt-len {args.prompt_len} + {max(NEW_TOKENS)} new tokens exceed the model's "
+                           f"max_position_embeddings ({model.config.max_position_embeddings})")
+        hf = None
+        if not args.no_hf:
+            try:
+                import transformers
+                from transformers import AutoModelForCausalLM
+            except ImportError as exc:
+                raise TltError(f"transformers is needed for the comparison ({exc}); install tlt[hf] or pass --no-hf") from None
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+        weight_bytes = streamed_bytes(model)
+        print(f"model {args.model}: {weight_bytes / 1e6:.0f} MB of weights per step in {args.dtype}, "
+              f"{model.config.num_hidden_layers} layers; threads={torch.get_num_threads()}; measuring the machine ...")
+        limits = machine_limits(dtype)
+        limit_ms = 1e3 * weight_bytes / (limits["bandwidth_gb_s"] * 1e9)
+        rows = measure(model, hf, args.prompt_len, args.repeats)
+        share = product_share(model, args.prompt_len)
+    for r in rows:
+        r.update(model=args.model, dtype=args.dtype, weight_bytes=weight_bytes)
+    summary = summarize(rows, limit_ms)
+    summary["product_share_one_token"] = share
+    print(" ".join(f"{k} {v:.1f}" for k, v in limits.items()))
+    print(f"bandwidth limit of one step: {limit_ms:.2f} ms (weight bytes / read bandwidth); "
+          f"cached tokens per row: {args.prompt_len}; medians of {args.repeats} alternating repeats")
+    print(format_table(rows, limit_ms))
+    print(f"tlt one token: {summary['one_token_vs_limit']:.2f}x the bandwidth limit "
+          f"({100 * summary['bandwidth_fraction']:.0f}% of the read bandwidth), {100 * share:.0f}% of it in products; "
+          + ", ".join(f"T={t}: {summary[f't{t}_vs_t1']:.2f}x T=1" for t in NEW_TOKENS[1:])
+          + (f"; {summary['vs_transformers_batch1']:.2f}x faster than transformers at batch 1" if hf is not None else ""))
+    record = {
+        "config": {"command": shlex.join(sys.argv), "model": args.model, "dtype": args.dtype,
+                   "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "repeats": args.repeats,
+                   "weight_bytes": weight_bytes, "torch": torch.__version__,
+                   "transformers": None if hf is None else transformers.__version__},
+        **limits,
+        "rows": rows,
+        "summary": summary,
+    }
+    if args.json is not None:
+        atomic_write_json(args.json, record)
+        print(f"wrote {args.json}")
+    return 0
