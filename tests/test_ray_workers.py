@@ -148,3 +148,37 @@ def test_grpo_on_two_ray_workers_runs_and_resumes(model_dir, tmp_path):
     assert trainer.step == 2
     tuner = json.loads((run / "checkpoints" / "step_00000002" / "tuner.json").read_text())
     assert len(tuner["tuners"]) == 2
+
+
+def test_a_killed_run_leaves_no_ray_process_behind():
+    """Regression: after kill -9 of a run on the local cluster, Ray's dashboard agent and runtime-env agent
+    stayed alive for about a minute (about 180 MB), and the cluster's start printed nothing for ~10 s."""
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, time\nfrom tlt.spot.cluster import descendants, start_ray\nstart_ray(None, cpus=1)\n"
+              "print('CLUSTER', *descendants(os.getpid()), flush=True)\ntime.sleep(600)\n")
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert run.stdout.readline().startswith("starting a local Ray cluster (1 CPUs")
+    line = next(x for x in run.stdout if x.startswith("CLUSTER"))
+    pids = [int(p) for p in line.split()[1:]]
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds no memory
+        except OSError:
+            return False
+
+    def title(pid):
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+
+    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {title(p).strip("\0") for p in pids}
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 20
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [title(p) for p in pids if alive(p)]

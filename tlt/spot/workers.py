@@ -22,7 +22,7 @@ taken once, whole, from the worker that completed it, so no sample is lost or du
 re-run returns exactly what the dead worker would have (same seeds). A spot trainer that dies only
 loses its phase: the drafter stays at the last collected state.
 
-Ray runs a local cluster by default (one worker per core, dashboard off, loopback only) or joins
+Ray runs a local cluster by default (one worker per core, dashboard off, loopback only; cluster.py) or joins
 `address`; the same code runs on a multi-node cluster, each worker asking Ray for `cpus` CPUs and
 `gpus` GPUs.
 """
@@ -39,6 +39,7 @@ import torch
 
 from tlt.errors import ConfigError
 from tlt.rollout.engine import acceptance_length
+from tlt.spot.cluster import start_ray
 
 
 @dataclass(frozen=True)
@@ -263,26 +264,12 @@ def drafter_acceptance(stats: dict) -> float | None:
 
 
 # --- the Ray pool ----------------------------------------------------------------------------------
-def start_ray(address: str | None, cpus: int | None = None) -> None:
-    """Join `address`, or start a local cluster (dashboard off, loopback only) once per process."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only local cluster needs no token
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=cpus or os.cpu_count() or 1, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, configure_logging=False)
-
-
 class RayPool:
     def __init__(self, specs: Sequence[WorkerSpec], address: str | None = None, cpus_per_worker: float = 1,
                  gpus_per_worker: float = 0, log: Callable[[str], None] = print) -> None:
         import ray
 
-        start_ray(address, cpus=max(len(specs), os.cpu_count() or 1) if address is None else None)
+        start_ray(address, cpus=max(len(specs), os.cpu_count() or 1) if address is None else None, log=log)
         self.ray, self.log = ray, log
         self.specs = list(specs)
         self._actor_class = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0,
