@@ -2,11 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import tlt
 from tlt.rollout.sampling import warp_logprobs
+from tlt.tasks import CharTokenizer
 
 
 @pytest.fixture
@@ -276,3 +278,58 @@ def test_a_request_for_more_samples_than_max_batch_size_runs_in_parts(qwen2):
     with pytest.raises(tlt.ConfigError, match=r"needs 46 KV tokens \(2 samples admitted together"):
         tlt.RolloutEngine(model, config=tlt.EngineConfig(max_batch_size=2, kv_budget_tokens=40)).generate(
             prompts[1:], tlt.SamplingParams(n=3, max_tokens=15))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(n=True), "'n' must be an integer"),
+    (dict(max_tokens=10.0), "'max_tokens' must be an integer"),
+    (dict(temperature=float("inf")), "'temperature' must be a finite number"),
+    (dict(temperature="0.7"), "'temperature' must be a finite number"),
+    (dict(top_p=float("nan")), "'top_p' must be a number in"),
+    (dict(stop_token_ids=5), "'stop_token_ids' must be a list of token ids"),
+    (dict(stop_token_ids=[5.7]), "'stop_token_ids' must be token ids"),
+    (dict(seed=-1), "'seed' must be None or an integer in"),
+    (dict(seed=2.5), "'seed' must be None or an integer in"),
+    (dict(ignore_eos="false"), "'ignore_eos' must be true or false"),
+])
+def test_sampling_params_refuse_what_they_would_reinterpret(fields, message):
+    """Regression: a float stop id was truncated (5.7 -> 5), the string "false" turned ignore_eos on, an
+    infinite temperature sampled uniformly, and a whole float or a bool passed as a count."""
+    with pytest.raises(tlt.ConfigError, match=message):
+        tlt.SamplingParams(**fields)
+    import numpy as np
+
+    params = tlt.SamplingParams(n=np.int64(2), seed=np.uint64(7), stop_token_ids=[np.int32(3)])
+    assert (params.n, params.seed, params.stop_token_ids) == (2, 7, (3,)) and type(params.seed) is int
+
+
+def test_generate_refuses_prompts_it_would_reinterpret(qwen2):
+    """Regression: a single string was read as one prompt per character, and float token ids were
+    truncated to ints."""
+    _, model = qwen2
+    engine = tlt.RolloutEngine(model, CharTokenizer())
+    params = tlt.SamplingParams(max_tokens=2, seed=0)
+    for prompts, message in [("Q:1+2\nA:", "prompts is one string"), ([5, 6, 7], "flat list of token ids"),
+                             ([[5, 6.5, 7]], "prompt 0 must hold integer token ids, got 6.5"),
+                             ([torch.tensor([5.0, 6.0])], "prompt 0 must be a 1-D integer tensor")]:
+        with pytest.raises(tlt.ConfigError, match=message):
+            engine.generate(prompts, params)
+    with pytest.raises(tlt.ConfigError, match=r"params\[1\] must be a SamplingParams, got dict"):
+        engine.generate([[5], [6]], [params, {"max_tokens": 2}])
+    ids = engine.generate([torch.tensor([5, 6, 7]), np.array([5, 6, 7])], params)
+    assert ids[0].outputs[0].token_ids == ids[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(max_batch_size=2.5), "'max_batch_size' must be an integer >= 1"),
+    (dict(kv_budget_tokens=0), "'kv_budget_tokens' must be an integer >= 1 or None"),
+    (dict(max_draft_tokens=0), "'max_draft_tokens' must be an integer >= 1"),
+    (dict(seed=1.5), "'seed' must be an integer or None"),
+    (dict(progress="no"), "'progress' must be true, false or None"),
+    (dict(speculative="on", strategy="tree-d3-k2-v4"), "'tree-d3-k2-v4' needs a drafter"),
+])
+def test_engine_config_refuses_what_would_fail_later(fields, message):
+    """Regression: a tree strategy without a drafter failed when the engine was built, with a ValueError
+    that the command line printed as a traceback; max_draft_tokens was not checked at all."""
+    with pytest.raises(tlt.ConfigError, match=message):
+        tlt.EngineConfig(**fields)

@@ -17,6 +17,7 @@ the long-tail profile the adaptive engine and the benchmarks read.
 
 from __future__ import annotations
 
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
@@ -40,9 +41,11 @@ class EngineConfig:
     (None: unlimited); cache_block: KV cache capacity granularity; seed: draws seeds for requests
     without one (None: fresh entropy); progress: None shows a bar when stderr is a terminal.
     speculative: "off", "on" (every step uses `strategy`, a Strategy or its name such as
-    "tree-d6-k4-v24") or "adaptive" (a tuner picks each step's strategy by live batch size; tuner: a
-    TunerConfig, max_draft_tokens: the memory guard on draft tokens x live rows); drafter: a Drafter,
-    a drafter folder or "default" (needed by chain and tree strategies). catch_up_window: a drafting
+    "tree-d6-k4-v24"; None: Strategy()'s tree-d6-k4-v24) or "adaptive" (a tuner picks each step's
+    strategy by live batch size; tuner: a TunerConfig, max_draft_tokens: the memory guard on draft
+    tokens x live rows); drafter: a Drafter, a drafter folder or "default" (needed by chain and tree
+    strategies). `strategy` is read only with "on" and `tuner` only with "adaptive". A request for more
+    samples than max_batch_size runs in parts (scheduler.py). catch_up_window: a drafting
     step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
     the newest (None: all); see SpeculativeDecoder."""
 
@@ -61,12 +64,24 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative not in ("off", "on", "adaptive"):
             raise ConfigError(f"EngineConfig field 'speculative' must be off, on or adaptive, got {self.speculative!r}")
-        if self.max_batch_size < 1:
-            raise ConfigError(f"EngineConfig field 'max_batch_size' must be >= 1, got {self.max_batch_size}")
-        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
-            raise ConfigError(f"EngineConfig field 'kv_budget_tokens' must be >= 1, got {self.kv_budget_tokens}")
-        if self.cache_block < 1:
-            raise ConfigError(f"EngineConfig field 'cache_block' must be >= 1, got {self.cache_block}")
+        for name in ("max_batch_size", "kv_budget_tokens", "cache_block", "max_draft_tokens"):
+            value = getattr(self, name)
+            if not (name == "kv_budget_tokens" and value is None) and (not _integer(value) or value < 1):
+                none = " or None" if name == "kv_budget_tokens" else ""
+                raise ConfigError(f"EngineConfig field {name!r} must be an integer >= 1{none}, got {value!r}")
+        if self.seed is not None and not _integer(self.seed):
+            raise ConfigError(f"EngineConfig field 'seed' must be an integer or None, got {self.seed!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ConfigError(f"EngineConfig field 'progress' must be true, false or None, got {self.progress!r}")
+        if self.speculative == "on" and self.drafter is None:
+            from tlt.speculative.strategy import Strategy
+
+            strategy = self.strategy or Strategy()
+            strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+            if strategy.uses_drafter:
+                raise ConfigError(f"EngineConfig field 'strategy' {strategy.name!r} needs a drafter (chain and tree "
+                                  "strategies draft with a learned one): give drafter= (a Drafter, a folder or "
+                                  "'default'), or a model-free strategy such as ngram-d4")
         window = self.catch_up_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ConfigError(f"EngineConfig field 'catch_up_window' must be an int >= 1 or None, "
@@ -143,6 +158,11 @@ def acceptance_length(stats: dict, counted=lambda strategy: strategy != "off") -
         if counted(s):
             tokens, rows = tokens + t, rows + b
     return tokens / rows if rows else None
+
+
+def _integer(value: object) -> bool:
+    """An int (numpy's too), not a bool and not a whole float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def stacked_layers(out, layers) -> torch.Tensor | None:
@@ -282,13 +302,20 @@ class RolloutEngine:
         if weights_version is not None and weights_version != self.weights_version:
             raise StaleWeightsError(f"rollout asked for policy version {weights_version}, "
                                     f"the engine holds version {self.weights_version}")
+        if isinstance(prompts, (str, bytes)):
+            raise ConfigError("prompts is one string; pass a list of prompts, e.g. [text]")
         prompts = list(prompts)
         if not prompts:
             return []
+        if _integer(prompts[0]):
+            raise ConfigError("prompts is a flat list of token ids; pass a list of prompts, e.g. [ids]")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         elif len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        wrong = next((i for i, sp in enumerate(params) if not isinstance(sp, SamplingParams)), None)
+        if wrong is not None:
+            raise ConfigError(f"params[{wrong}] must be a SamplingParams, got {type(params[wrong]).__name__}")
         if history is not None and len(history.responses) != len(prompts):
             raise ConfigError(f"history has responses for {len(history.responses)} prompts, not {len(prompts)}")
         window = None
@@ -410,6 +437,14 @@ class RolloutEngine:
             if self.tokenizer is None:
                 raise ConfigError(f"prompt {i} is a string but the engine has no tokenizer; pass token ids")
             prompt = self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+                raise ConfigError(f"prompt {i} must be a 1-D integer tensor of token ids, got {prompt.dtype} "
+                                  f"of shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        bad = next((t for t in prompt if not _integer(t)), None)
+        if bad is not None:
+            raise ConfigError(f"prompt {i} must hold integer token ids, got {bad!r}")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ConfigError(f"prompt {i} is empty")
