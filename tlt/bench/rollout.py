@@ -88,7 +88,7 @@ def run_tlt(model, prompts, args, repeat: int, config=None, tuner_state=None) ->
     if tuner_state is not None:
         engine.tuner.load_state_dict(tuner_state)
     params = [SamplingParams(n=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
-                             seed=repeat * 1000 + i) for i in range(len(prompts))]
+                             seed=(repeat + 1) * 1000 + i) for i in range(len(prompts))]  # repeat -1 warms up
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
