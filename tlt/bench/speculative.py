@@ -86,7 +86,7 @@ def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, te
     engine = RolloutEngine(model, config=EngineConfig.named(strategy, drafter, progress=False))
     wall = tokens = 0
     for k, prompts in enumerate(batches):
-        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=repeat * 1000 + k * len(prompts) + i)
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=(repeat + 1) * 1000 + k * len(prompts) + i)
                   for i in range(len(prompts))]
         start = time.perf_counter()
         outputs = engine.generate(prompts, params, use_tqdm=False)
@@ -107,7 +107,7 @@ def run_hf(hf_model, batches: list[list[list[int]]], temperature: float, max_tok
     try:
         for k, (prompt,) in enumerate(batches):
             ids = torch.tensor([prompt], device=hf_model.device)
-            torch.manual_seed(repeat * 1000 + k)
+            torch.manual_seed((repeat + 1) * 1000 + k)
             start = time.perf_counter()
             out = hf_model.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0, temperature=temperature or None,
