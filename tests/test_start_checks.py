@@ -185,3 +185,35 @@ def test_accuracy_counts_rewards_at_or_above_the_threshold(model_dir):
         assert rows[threshold]["accuracy"] == sum(r >= threshold for r in rewards) / len(rewards)
     assert rows[1.0]["accuracy"] == rows[1.0]["eval_accuracy"] == 0.0  # digit_fraction is below 1 here
     assert rows[0.05]["accuracy"] > 0 and rows[0.05]["eval_accuracy"] > 0
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"lr": "nan"}, "field 'lr' must be a finite number, got nan"),
+    ({"reward_timeout_s": "inf"}, "field 'reward_timeout_s' must be a finite number"),
+    ({"top_p": "0"}, r"field 'top_p' must be in \(0, 1\]"),
+    ({"top_k": "0"}, "field 'top_k' must be -1"),
+    ({"beta2": "1"}, r"field 'beta2' must be in \[0, 1\)"),
+    ({"grad_clip": "0"}, "field 'grad_clip' must be > 0"),
+])
+def test_train_config_refuses_values_that_would_fail_or_mislead_later(fields, message):
+    """Regression: NaN passed every `x <= 0` check (lr=nan trained on NaN), top_p/top_k failed only when
+    the first rollout built its SamplingParams, beta2=1 failed in AdamW after the model loaded, and
+    grad_clip=0 silently zeroed every gradient."""
+    with pytest.raises(ConfigError, match=message):
+        from_dict(TrainConfig, fields, "command line")
+
+
+def test_a_truncated_eval_file_and_a_finished_run_are_said(model_dir, tmp_path):
+    """Regression: eval_dataset was cut to eval_problems rows without a word, and resuming a finished run
+    without raising steps printed only an empty table."""
+    from tlt.rl.run import train
+
+    rows = [json.dumps({"prompt": f"Q:{i}+1\nA:"}) for i in range(6)]
+    (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")
+    lines = []
+    config = tiny_config(model_dir, dataset=str(tmp_path / "d.jsonl"), eval_dataset=str(tmp_path / "d.jsonl"),
+                         eval_problems=4, steps=1, save_every=1)
+    train(config, tmp_path / "run", log=lines.append)
+    assert "eval on the first 4 of 6 examples" in lines[0]
+    train(config, tmp_path / "run", resume=True, log=lines.append)
+    assert any("the run is at step 1, and steps=1: nothing to train" in x for x in lines)

@@ -7,6 +7,8 @@ Defaults are the embedded default: the default model on the built-in task with a
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from tlt.adaptive.tuner import DEFAULT_ARMS
@@ -157,6 +159,19 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"field {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ConfigError(f"field {f.name!r} must be a finite number, got {value!r}")
+        ranges = (("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                  ("top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "-1 (off) or >= 1"),
+                  ("weight_decay", self.weight_decay >= 0, ">= 0"), ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
+                  ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("grad_clip", self.grad_clip > 0, "> 0"),
+                  ("worker_gpus", self.worker_gpus >= 0, ">= 0"))
+        for name, ok, expected in ranges:
+            if not ok:
+                raise ConfigError(f"field {name!r} must be {expected}, got {getattr(self, name)!r}")
         if self.group_size < 2:
             raise ConfigError(f"field 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}")
         if self.mini_batches > self.prompts_per_step:

@@ -49,6 +49,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             f"speculative={c.speculative}, {c.steps} steps -> {run_dir}")
         if trainer.step == 0 and c.eval_every:
             metrics.write({"step": 0, **trainer.evaluate()})
+        if trainer.step >= c.steps:
+            log(f"the run is at step {trainer.step}, and steps={c.steps}: nothing to train (pass steps=N to extend it)")
         log(table_header())
         if metrics.rows:
             log(table_row(metrics.rows[-1]))

@@ -204,7 +204,11 @@ class GRPOTrainer:
 
             train = load_examples(c.dataset, prompt_column=c.prompt_column)
             if c.eval_dataset:
-                return train, load_examples(c.eval_dataset, prompt_column=c.prompt_column)[: c.eval_problems]
+                held = load_examples(c.eval_dataset, prompt_column=c.prompt_column)
+                if len(held) > c.eval_problems:
+                    self.log(f"eval on the first {c.eval_problems} of {len(held)} examples of {c.eval_dataset} "
+                             f"(eval_problems={c.eval_problems})")
+                return train, held[: c.eval_problems]
             # No eval file: hold out the dataset's last rows (at most a quarter of it), so that eval
             # accuracy is measured on prompts the policy never trains on.
             if not c.eval_every:
