@@ -217,3 +217,17 @@ def test_a_truncated_eval_file_and_a_finished_run_are_said(model_dir, tmp_path):
     assert "eval on the first 4 of 6 examples" in lines[0]
     train(config, tmp_path / "run", resume=True, log=lines.append)
     assert any("the run is at step 1, and steps=1: nothing to train" in x for x in lines)
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "--problems", "0"], ["eval", "--threads", "-1"], ["eval", "--temperature", "nan"],
+    ["demo", "--threads", "-1"], ["audit", "--samples", "0"], ["audit", "--max-tokens", "0"],
+    ["train-drafter", "--out", "x", "--samples", "0"], ["train-drafter", "--out", "x", "--temperature", "-1"],
+])
+def test_cli_flags_are_checked_before_anything_loads(argv, capsys):
+    """Regression: `tlt eval --problems 0` ended in an IndexError traceback and `--threads -1` (eval, demo)
+    in torch's RuntimeError; other bad counts were reported as SamplingParams fields, not as the flag."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {argv[-2]}: expected" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tlt.bench import comma_list
+from tlt.config import integer_flag, number_flag
 from tlt.model.checkpoint import DTYPE_NAMES
 
 DEFAULT_SYSTEMS = ("off", "chain-d4", "tree-d4-k4-v16", "ngram-d4", "adaptive")
@@ -211,15 +212,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default=None, help="JSONL or Parquet prompts (verl or TRL layout); default: the "
                                                         "built-in task's held-out problems")
     parser.add_argument("--prompt-column", default="prompt")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts to use")
-    parser.add_argument("--samples", type=int, default=16, help="samples per prompt")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--prompts", type=integer_flag(1), default=16, help="prompts to use")
+    parser.add_argument("--samples", type=integer_flag(1), default=16, help="samples per prompt")
+    parser.add_argument("--temperature", type=number_flag, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=integer_flag(1), default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--alpha", type=float, default=1e-3, help="a p-value at or below this fails")
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--threads", type=integer_flag(0), default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="the weights' dtype, as the rollout engine will run them")

@@ -143,3 +143,34 @@ def import_callable(spec: str, what: str):
     if not callable(fn):
         raise ConfigError(f"{what} {spec!r}: module {module_name!r} has no function {attr!r}")
     return fn
+
+
+def integer_flag(minimum: int):
+    """An argparse `type`: an integer >= `minimum`; anything else is refused with the flag's name and what
+    was expected (argparse's usage error, exit code 2) before the command loads anything."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def number_flag(text: str) -> float:
+    """An argparse `type`: a finite number >= 0 (a temperature)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value

@@ -16,11 +16,13 @@ import argparse
 import time
 from pathlib import Path
 
+from tlt.config import integer_flag
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=6, help="RL steps of each run")
+    parser.add_argument("--steps", type=integer_flag(1), default=6, help="RL steps of each run")
     parser.add_argument("--out", default="runs/demo", help="folder for both runs, the plots and the report")
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--threads", type=integer_flag(0), default=0)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields shared by both runs")
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tlt.config import integer_flag, number_flag
+
 
 @dataclass
 class EvalResult:
@@ -70,12 +72,12 @@ def _bucket(steps: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model folder or built-in name")
-    parser.add_argument("--problems", type=int, default=200)
-    parser.add_argument("--samples", type=int, default=1, help="samples per problem (pass@k for k = samples)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=768)
+    parser.add_argument("--problems", type=integer_flag(1), default=200)
+    parser.add_argument("--samples", type=integer_flag(1), default=1, help="samples per problem (pass@k for k = samples)")
+    parser.add_argument("--temperature", type=number_flag, default=1.0)
+    parser.add_argument("--max-tokens", type=integer_flag(1), default=768)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--threads", type=integer_flag(0), default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", help="write the result here")
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tlt.config import build, to_dict
+from tlt.config import build, integer_flag, number_flag, to_dict
 from tlt.errors import ConfigError
 from tlt.speculative.data import (DraftRecord, PackedBatch, collect, fill_rows, pack, packed_batches, record_pairs,
                                   records_from_texts)
@@ -250,11 +250,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", choices=("generations", "references"), default="generations",
                         help="train on the target's own samples, or on the task's reference solutions "
                              "(text the policy did not write, as a drafter trained on generic data)")
-    parser.add_argument("--prompts", type=int, default=256, help="train-split problems to generate on")
-    parser.add_argument("--samples", type=int, default=4, help="samples per problem")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=768)
-    parser.add_argument("--eval-prompts", type=int, default=32, help="eval-split problems for acceptance")
+    parser.add_argument("--prompts", type=integer_flag(1), default=256, help="train-split problems to generate on")
+    parser.add_argument("--samples", type=integer_flag(1), default=4, help="samples per problem")
+    parser.add_argument("--temperature", type=number_flag, default=1.0)
+    parser.add_argument("--max-tokens", type=integer_flag(1), default=768)
+    parser.add_argument("--eval-prompts", type=integer_flag(1), default=32, help="eval-split problems for acceptance")
     parser.add_argument("--eval-strategy", default="tree-d4-k2-v8",
                         help="target-only strategy whose acceptance length on the held-out prompts is reported "
                              "before and after training ('none': top-1 agreement only)")
