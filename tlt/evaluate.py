@@ -64,18 +64,23 @@ def evaluate(model, tokenizer, problems, temperature: float = 1.0, n: int = 1, m
 
 
 def _bucket(steps: int) -> str:
-    for lo, hi in ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32)):
+    for lo, hi in ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128)):
         if lo <= steps <= hi:
             return f"{lo}-{hi}"
-    return "33-64"
+    return "129+"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.tasks import task_names
+
     parser.add_argument("--model", default="default", help="model folder or built-in name")
+    parser.add_argument("--task", default="arithmetic", choices=task_names(),
+                        help="the built-in task (or named task configuration) the problems come from")
     parser.add_argument("--problems", type=integer_flag(1), default=200)
     parser.add_argument("--samples", type=integer_flag(1), default=1, help="samples per problem (pass@k for k = samples)")
     parser.add_argument("--temperature", type=number_flag, default=1.0)
-    parser.add_argument("--max-tokens", type=integer_flag(1), default=768)
+    parser.add_argument("--max-tokens", type=integer_flag(1), default=None,
+                        help="response budget (default: 768, or the task's longest solution when longer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=integer_flag(0), default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -88,20 +93,22 @@ def run(args: argparse.Namespace) -> int:
     from tlt.device import resolve_device
     from tlt.model import load_model
     from tlt.io import atomic_write_json
-    from tlt.tasks import ArithmeticTask
+    from tlt.tasks import get_task
     from tlt.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device, "--device")
     model, tokenizer = load_model(args.model, device=device), load_tokenizer(args.model)
-    problems = ArithmeticTask().sample(args.problems, seed=args.seed, split="eval")
-    r = evaluate(model, tokenizer, problems, args.temperature, args.samples, args.max_tokens, args.seed)
+    task = get_task(args.task)
+    max_tokens = args.max_tokens or max(768, task.config.max_solution_tokens)
+    problems = task.sample(args.problems, seed=args.seed, split="eval")
+    r = evaluate(model, tokenizer, problems, args.temperature, args.samples, max_tokens, args.seed)
     print(f"accuracy {r.accuracy:.3f} over {r.samples} samples of {len(problems)} problems "
           f"(temperature {args.temperature})" + (f", pass@{args.samples} {r.pass_at_k:.3f}" if args.samples > 1 else ""))
     print("by steps: " + "  ".join(f"{k}: {v:.2f}" for k, v in r.by_steps.items()))
     print("response length: " + "  ".join(f"{k} {v:g}" for k, v in r.length_summary().items()))
     if args.json:
-        atomic_write_json(args.json, {"model": args.model, "temperature": args.temperature, **r.__dict__,
+        atomic_write_json(args.json, {"model": args.model, "task": args.task, "temperature": args.temperature, **r.__dict__,
                                       "length_summary": r.length_summary()})
     return 0

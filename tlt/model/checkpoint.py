@@ -35,6 +35,10 @@ def resolve_model_path(path_or_name: str | os.PathLike) -> Path:
     name = str(path_or_name)
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]
+    if name == "bench":  # built by `make bench-model` into a cache folder (tlt/bench_model.py)
+        from tlt.bench_model import model_folder
+
+        return model_folder()
     path = Path(name)
     if path.is_file():
         raise CheckpointError(f"{path}: is a file; expected a model folder holding config.json and the weights")

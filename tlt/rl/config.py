@@ -215,7 +215,7 @@ class TrainConfig:
         if self.speculative == "off":
             return None
         if self.drafter == "auto":
-            return "default" if self.model == "default" else None
+            return self.model if self.model in ("default", "bench") else None
         return self.drafter
 
     def spot(self):

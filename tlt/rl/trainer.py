@@ -110,12 +110,12 @@ class GRPOTrainer:
 
         from tlt.config import import_callable
         from tlt.model.checkpoint import read_json
-        from tlt.speculative.drafter import BUILTIN_DRAFTERS, DrafterConfig
+        from tlt.speculative.drafter import BUILTIN_DRAFTERS, DrafterConfig, drafter_folder
 
         c = self.config
         drafter = c.rollout_drafter()
         if drafter not in (None, "random"):
-            folder = BUILTIN_DRAFTERS.get(drafter, Path(drafter))
+            folder = drafter_folder(drafter)
             if not folder.is_dir():
                 raise ConfigError(f"field 'drafter' {drafter!r}: no such folder (expected a drafter folder holding "
                                   f"drafter_config.json, one of {sorted(BUILTIN_DRAFTERS)}, random or none)")

@@ -181,9 +181,7 @@ class Drafter(ColumnMajorLinears, nn.Module):
 
         from tlt.model.checkpoint import read_json
 
-        folder = Path(directory)
-        if str(directory) in BUILTIN_DRAFTERS:
-            folder = BUILTIN_DRAFTERS[str(directory)]
+        folder = drafter_folder(directory)
         cfg_path = folder / "drafter_config.json"
         raw = read_json(cfg_path)
         try:
@@ -210,3 +208,16 @@ class Drafter(ColumnMajorLinears, nn.Module):
 # reference solutions, text the model did not write (the starting point of the drafter-alignment benchmark).
 BUILTIN_DRAFTERS = {"default": Path(__file__).resolve().parent.parent / "assets" / "default" / "drafter",
                     "references": Path(__file__).resolve().parent.parent / "assets" / "default" / "drafter-references"}
+
+
+def drafter_folder(name_or_folder: str | os.PathLike) -> Path:
+    """The folder of a built-in drafter name ("bench": the bench policy's, built by `make bench-model`,
+    tlt/bench_model.py), else the path itself."""
+    name = str(name_or_folder)
+    if name in BUILTIN_DRAFTERS:
+        return BUILTIN_DRAFTERS[name]
+    if name == "bench":
+        from tlt.bench_model import drafter_folder as bench_drafter
+
+        return bench_drafter()
+    return Path(name_or_folder)

@@ -244,6 +244,8 @@ def held_out_acceptance(drafter, tokenizer, prompts, samples_per_prompt: int, te
 
 # --- command line ----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.tasks import task_names
+
     parser.add_argument("--model", default="default", help="target model folder or built-in name")
     parser.add_argument("--out", required=True, help="output drafter folder")
     parser.add_argument("--from-drafter", help="drafter folder to continue training from")
@@ -258,6 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-strategy", default="tree-d4-k2-v8",
                         help="target-only strategy whose acceptance length on the held-out prompts is reported "
                              "before and after training ('none': top-1 agreement only)")
+    parser.add_argument("--task", default="arithmetic", choices=task_names(),
+                        help="the built-in task (or named task configuration) the prompts come from")
     parser.add_argument("--dataset", help="JSONL or Parquet prompts (verl or TRL layout, chat prompts through the "
                                           "tokenizer's template) instead of the built-in task")
     parser.add_argument("--eval-dataset", help="held-out prompts (default: the --eval-prompts rows after the "
@@ -277,11 +281,11 @@ def prompt_sources(args, tokenizer, seed: int) -> dict[str, tuple[list, list | N
     if args.prompts < 1 or args.eval_prompts < 1:
         raise ConfigError("--prompts and --eval-prompts must be >= 1")
     if not args.dataset:
-        from tlt.tasks import ArithmeticTask
+        from tlt.tasks import get_task
 
         if args.eval_dataset or args.completion_column:
             raise ConfigError("--eval-dataset and --completion-column need --dataset")
-        task = ArithmeticTask()
+        task = get_task(args.task)
         out = {}
         for split, n in (("train", args.prompts), ("eval", args.eval_prompts)):
             problems = task.sample(n, seed=seed, split=split)
@@ -374,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     drafter.save(args.out)
     data = {"model": args.model, "data": args.data, "from_drafter": args.from_drafter, "prompts": args.prompts,
             "samples": args.samples, "temperature": args.temperature, "max_tokens": args.max_tokens,
-            "eval_prompts": args.eval_prompts, "dataset": args.dataset, "eval_dataset": args.eval_dataset,
+            "eval_prompts": args.eval_prompts, "task": args.task, "dataset": args.dataset, "eval_dataset": args.eval_dataset,
             "prompt_column": args.prompt_column, "completion_column": args.completion_column}
     atomic_write_json(Path(args.out) / "recipe.json",
                       {"command": command, "config": to_dict(c), "data": data, "metrics": metrics})

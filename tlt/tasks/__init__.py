@@ -10,7 +10,10 @@ alphabet with the same interface as a Hugging Face tokenizer, so tiny test model
 checkpoints go through the same code.
 
 Tasks are looked up by name in `TASKS`; `get_task("arithmetic", max_steps=16)` builds one from its
-config fields.
+config fields. `NAMED_TASKS` are fixed configurations of a registered task under their own name:
+`bench` is the reasoning-length workload of the bench policy (chains of up to 192 steps, a heavier
+tail than the default's: median 7 steps, p90 90, p99 178, so the longest responses run to ~1.5 k
+tokens), usable wherever a task name is (`task=bench`, `tlt eval --task bench`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,24 @@ from tlt.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, parse_answ
 from tlt.tasks.tokenizer import CharTokenizer
 
 TASKS = {"arithmetic": ArithmeticTask}
+# name -> (registered task, its config fields)
+NAMED_TASKS: dict[str, tuple[str, dict[str, object]]] = {
+    "bench": ("arithmetic", {"max_steps": 192, "zipf_exponent": 1.1}),
+}
+
+
+def task_names() -> list[str]:
+    return sorted([*TASKS, *NAMED_TASKS])
 
 
 def get_task(name: str, **config_kwargs: object) -> ArithmeticTask:
-    """The task registered as `name`, built from its config class with `config_kwargs`."""
+    """The task registered as `name`, or the named configuration `name` (`NAMED_TASKS`), built from its
+    config class with `config_kwargs` (over a named configuration's fields)."""
+    if name in NAMED_TASKS:
+        base, fields = NAMED_TASKS[name]
+        return get_task(base, **{**fields, **config_kwargs})
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+        raise ValueError(f"unknown task {name!r}; known tasks: {task_names()}")
     task_class = TASKS[name]
     config_class = task_class.config_class
     known = {f.name for f in dataclasses.fields(config_class)}
@@ -37,6 +52,7 @@ def get_task(name: str, **config_kwargs: object) -> ArithmeticTask:
 
 
 __all__ = [
+    "NAMED_TASKS",
     "TASKS",
     "ArithmeticTask",
     "CharTokenizer",
@@ -44,5 +60,6 @@ __all__ = [
     "TaskConfig",
     "get_task",
     "parse_answer",
+    "task_names",
     "verify",
 ]

@@ -96,6 +96,12 @@ class TaskConfig:
         """Digits every value is printed with: those of the largest value, modulus - 1."""
         return len(str(self.modulus - 1))
 
+    @property
+    def max_solution_tokens(self) -> int:
+        """Characters of the longest reference solution (max_steps steps `aa+b=cc;`, then `#cc`) plus the
+        end-of-sequence token: the response budget that truncates no correct solution."""
+        return self.max_steps * (2 * self.width + 4) + self.width + 2
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -1,0 +1,120 @@
+"""The bench policy's recipe and cache (tlt/bench_model.py), the `bench` preset and task; nothing here
+trains the bench model: builds run a stand-in command runner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tlt import bench_model
+from tlt.errors import CheckpointError, ConfigError
+from tlt.model.checkpoint import resolve_model_path
+from tlt.sft import PRESETS, SFTConfig, config_from, model_config
+from tlt.speculative.drafter import drafter_folder
+from tlt.tasks import CharTokenizer, get_task
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "bench"
+
+
+def fake_runner(calls):
+    """Stands in for the build commands: records them and writes what the drafter step would."""
+    def run(argv, check):
+        calls.append(argv)
+        if "train-drafter" in argv:
+            out = argv[argv.index("--out") + 1]
+            (bench_model.Path(out)).mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def test_bench_preset_is_a_qwen3_policy_of_about_100m_parameters():
+    c = config_from("bench")
+    assert c == SFTConfig(**PRESETS["bench"]) and c.autocast and c.task == "bench"
+    m = model_config(c, CharTokenizer())
+    per_layer = (m.hidden_size * m.head_dim * (m.num_attention_heads * 2 + m.num_key_value_heads * 2)
+                 + 3 * m.hidden_size * m.intermediate_size)
+    params = m.num_hidden_layers * per_layer + m.vocab_size * m.hidden_size
+    assert m.architecture == "Qwen3ForCausalLM" and m.num_hidden_layers >= 12
+    assert 85e6 < params < 100e6 and params * 2 >= 128e6  # bf16 bytes
+    # the longest bench example (prompt and solution of 192 steps) fits a row and the context
+    task = get_task("bench").config
+    assert 1000 <= task.max_solution_tokens <= 2000
+    assert 1 + 5 + task.width + 2 * task.max_steps + task.max_solution_tokens <= c.row_tokens <= c.max_position_embeddings
+
+
+def test_preset_fields_yield_to_overrides_and_are_validated(tmp_path):
+    assert config_from("bench", overrides=["steps=10", "lr=1e-3"]).steps == 10
+    with pytest.raises(ConfigError, match="command line.*row_tokens"):
+        config_from("bench", overrides=["row_tokens=1024"])  # too short for the bench task's longest example
+    with pytest.raises(ConfigError, match="task"):
+        config_from(None, overrides=["task=nope"])
+
+
+def test_bench_task_is_the_arithmetic_task_with_longer_chains():
+    t = get_task("bench")
+    assert (t.config.max_steps, t.config.zipf_exponent) == (192, 1.1)
+    assert get_task("bench", zipf_exponent=0.9).config.zipf_exponent == 0.9
+    steps = sorted(p.num_steps for p in t.sample(2000, seed=0, split="eval"))
+    assert steps[len(steps) // 2] < 16 and steps[int(0.99 * len(steps))] > 100  # long-tailed
+
+
+def test_build_runs_policy_then_drafter_and_is_reused_while_the_recipe_matches(cache, monkeypatch):
+    calls = []
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
+    assert [a[a.index("tlt.cli") + 1] for a in calls] == ["sft", "train-drafter"]
+    assert str(cache) in calls[0] and f"{cache}/drafter" in calls[1]
+    stamp = json.loads((cache / bench_model.STAMP).read_text())
+    assert stamp["hash"] == bench_model.recipe_hash(bench_model.recipe()) and len(stamp["commands"]) == 2
+    assert not bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 2
+    assert resolve_model_path("bench") == cache and drafter_folder("bench") == cache / "drafter"
+    # a changed recipe is a rebuild, and until then `bench` names the mismatch
+    changed = {**PRESETS["bench"], "steps": 221}
+    monkeypatch.setitem(PRESETS, "bench", changed)
+    with pytest.raises(CheckpointError, match="another recipe.*make bench-model"):
+        resolve_model_path("bench")
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 4
+
+
+def test_bench_names_make_bench_model_when_missing_or_incomplete(cache):
+    with pytest.raises(CheckpointError, match=r"not built: run `make bench-model`"):
+        resolve_model_path("bench")
+    with pytest.raises(CheckpointError, match="make bench-model"):
+        drafter_folder("bench")
+
+    def failing(argv, check):
+        if "train-drafter" in argv:
+            raise bench_model.subprocess.CalledProcessError(1, argv)
+
+    with pytest.raises(bench_model.subprocess.CalledProcessError):
+        bench_model.build(run=failing, log=lambda *_: None)
+    with pytest.raises(CheckpointError, match="incomplete.*make bench-model"):
+        resolve_model_path("bench")
+
+
+def test_cache_root_follows_tlt_cache_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("TLT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert bench_model.cache_folder() == tmp_path / "xdg" / "tlt" / "bench"
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "c"))
+    assert bench_model.cache_folder() == tmp_path / "c" / "bench"
+
+
+def test_sft_under_bf16_autocast_trains_a_tiny_model_and_records_the_preset(tmp_path, monkeypatch):
+    import math
+
+    from tlt.sft import train_sft
+
+    tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 2048, "steps": 2,
+            "warmup_steps": 1, "threads": 1, "log_every": 1, "save_every": 2}
+    monkeypatch.setitem(PRESETS, "bench", {**PRESETS["bench"], **tiny})
+    c = config_from("bench")
+    lines = []
+    train_sft(c, tmp_path / "m", log=lines.append, preset="bench")
+    recipe = json.loads((tmp_path / "m" / "recipe.json").read_text())
+    assert recipe["preset"]["name"] == "bench" and recipe["config"]["autocast"] is True
+    assert math.isfinite(recipe["metrics"]["loss"]) and "min left" in lines[-1]

@@ -1,0 +1,147 @@
+"""The bench policy and its drafter: the workload on which tlt's speed is judged, built into a cache.
+
+The default model (3 M parameters) fits this CPU's L3 cache, so its decode is bound by per-operator
+cost, not by streaming weights as a real policy's is. The bench policy (`tlt sft --preset bench`,
+~90 M parameters, 12 layers, ~180 MB in bf16) streams from memory at batch 1 and answers the `bench`
+task (reasoning-length chains); its EAGLE drafter comes from the `tlt train-drafter` recipe on its own
+samples of that task. Both are too large for git, so `make bench-model` (`python -m tlt.bench_model`)
+builds them into `cache_folder()`:
+
+    $TLT_CACHE/bench/                 (TLT_CACHE defaults to ${XDG_CACHE_HOME:-~/.cache}/tlt)
+        config.json, model.safetensors, char_tokenizer.json, recipe.json    the policy
+        drafter/                                                            its drafter
+        bench_recipe.json   the recipe, its hash and the commands that ran; written last, so its
+                            presence with the current recipe's hash means a complete, current build
+
+A build whose recipe hash matches is reused; any other content of the folder is rebuilt. `bench` as a
+model or drafter name (`--model bench`, `model=bench`, `drafter=bench`) resolves here, and fails with
+a message naming `make bench-model` while the build is missing, incomplete or from another recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tlt.errors import CheckpointError
+
+NAME = "bench"
+STAMP = "bench_recipe.json"
+# Commands run in order; {out} is the cache folder. Sized to about 1 hour (policy) and 10-15 minutes
+# (drafter) on 2 cores.
+COMMANDS = (
+    ("policy", ["sft", "--preset", "bench", "--out", "{out}"]),
+    ("drafter", ["train-drafter", "--model", "{out}", "--out", "{out}/drafter", "--task", "bench",
+                 "--prompts", "64", "--samples", "4", "--max-tokens", "1600", "--eval-prompts", "8",
+                 "steps=300", "batch_tokens=2048", "rows=4", "window=512", "threads=2", "log_every=25"]),
+)
+
+
+def cache_root() -> Path:
+    """$TLT_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tlt."""
+    if os.environ.get("TLT_CACHE"):
+        return Path(os.environ["TLT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "tlt"
+
+
+def cache_folder() -> Path:
+    return cache_root() / NAME
+
+
+def recipe() -> dict:
+    """Everything the build depends on: the SFT preset, the task's fields and the commands."""
+    from tlt.sft import PRESETS
+    from tlt.tasks import NAMED_TASKS
+
+    return {"sft_preset": PRESETS["bench"], "task": list(NAMED_TASKS["bench"]),
+            "commands": {name: ["tlt", *args] for name, args in COMMANDS}}
+
+
+def recipe_hash(r: dict) -> str:
+    return hashlib.sha256(json.dumps(r, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stamp(folder: Path) -> dict | None:
+    """The folder's bench_recipe.json, None when missing or unreadable."""
+    try:
+        data = json.loads((folder / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_current(folder: Path, r: dict | None = None) -> bool:
+    """True when `folder` holds a complete build of recipe `r` (the current recipe when None)."""
+    s = stamp(folder)
+    return s is not None and s.get("hash") == recipe_hash(r if r is not None else recipe())
+
+
+def built_folder(what: str = "model") -> Path:
+    """The cache folder when it holds a complete build of the current recipe; else a CheckpointError
+    naming `make bench-model`."""
+    folder = cache_folder()
+    s = stamp(folder)
+    if s is None:
+        why = "is not built" if not folder.exists() else "is incomplete (a build is running or was interrupted)"
+    elif s.get("hash") != recipe_hash(recipe()):
+        why = f"was built from another recipe (hash {s.get('hash')}, current {recipe_hash(recipe())})"
+    else:
+        return folder
+    raise CheckpointError(f"the bench {what} at {folder} {why}: run `make bench-model` (about 1.5 hours on 2 cores; "
+                          f"TLT_CACHE sets the cache folder)")
+
+
+def model_folder() -> Path:
+    return built_folder("model")
+
+
+def drafter_folder() -> Path:
+    return built_folder("drafter") / "drafter"
+
+
+def build(folder: Path | None = None, force: bool = False, run=subprocess.run, log=print) -> bool:
+    """Build the policy, then its drafter, into `folder` (the cache folder) unless it holds a current
+    build; `run(argv, check=True)` runs each command. Returns True when it built."""
+    folder = folder or cache_folder()
+    r = recipe()
+    if is_current(folder, r) and not force:
+        log(f"bench model: {folder} holds the current recipe ({recipe_hash(r)}); reused")
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / STAMP).unlink(missing_ok=True)
+    ran, start = [], time.time()
+    for name, args in COMMANDS:
+        argv = [a.replace("{out}", str(folder)) for a in args]
+        log(f"bench model: {name}: tlt {' '.join(argv)}")
+        t0 = time.time()
+        run([sys.executable, "-m", "tlt.cli", *argv], check=True)
+        ran.append({"name": name, "command": "tlt " + " ".join(argv), "seconds": round(time.time() - t0)})
+    from tlt.io import atomic_write_json
+
+    atomic_write_json(folder / STAMP, {"hash": recipe_hash(r), "recipe": r, "commands": ran,
+                                       "seconds": round(time.time() - start)})
+    log(f"bench model: built {folder} in {(time.time() - start) / 60:.0f} min")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tlt.bench_model", description=__doc__.splitlines()[0])
+    parser.add_argument("--force", action="store_true", help="rebuild even when the cache holds the current recipe")
+    args = parser.parse_args(argv)
+    try:
+        build(force=args.force)
+    except subprocess.CalledProcessError as exc:
+        print(f"bench model: a build command failed (exit {exc.returncode}); the cache stays incomplete",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
