@@ -22,6 +22,8 @@ FIELDS = dict(steps=3, save_every=1, eval_every=3, keep_checkpoints=2)
 # Runs the tiny config in a child process and kills it at `point` during step 2.
 KILLER = """
 import os, sys, shutil
+import torch
+torch.set_num_threads(int(os.environ.get("TLT_TEST_THREADS", "1")))  # as conftest: a run's floats depend on it
 sys.path.insert(0, {tests!r})
 from rl_fixtures import tiny_config
 from tlt.rl import checkpoint, metrics, run

@@ -23,11 +23,11 @@ within bf16's tolerance of transformers' bf16 layers. On a GPU the fused step ru
 layer on the parameters themselves.
 
 The prepared weights are a second copy of the stacked q/k/v and gate/up weights (and, packed, of o and
-down), held once the model has decoded. They are rebuilt when any parameter of the layer changes: they
-are keyed by each parameter's storage and version counter, which every in-place update bumps (optimizer
-steps, `load_state_dict`, `copy_` under `torch.no_grad()`), as does moving or casting the module or
-assigning a new parameter. A write through `param.data` bypasses the counter and is not seen (update
-weights in place under `torch.no_grad()` instead), nor is a submodule replaced by another.
+down), held once the model has decoded. They are rebuilt when any parameter of the layer changes
+(`Prepared` in tlt/model/packed.py: optimizer steps, `load_state_dict`, `copy_` under
+`torch.no_grad()`, moving, casting, assigning a new parameter). A write through `param.data` bypasses
+the version counter and is not seen (update weights in place under `torch.no_grad()` instead), nor is a
+submodule replaced by another.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.model.attention import attend
-from tlt.model.packed import PackedLinear, tensor_key
+from tlt.model.packed import PackedLinear
 from tlt.model.rope import apply_rope
 
 
@@ -60,10 +60,10 @@ def _stack_bias(*linears: nn.Linear) -> torch.Tensor | None:
     return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
-def parameter_key(tables: list[dict]) -> tuple:
-    """`tensor_key` of every parameter in `tables`, `_parameters` dicts of modules (read directly:
-    `Module.parameters()` costs 60 us a call, as much as the operators saved)."""
-    return tensor_key(*(p for table in tables for p in table.values()))
+def parameters_of(tables: list[dict]) -> list[torch.Tensor]:
+    """The parameters in `tables`, `_parameters` dicts of modules (read directly: `Module.parameters()`
+    costs 60 us a call, as much as the operators saved)."""
+    return [p for table in tables for p in table.values() if p is not None]
 
 
 @dataclass

@@ -87,27 +87,27 @@ class PackedLinear:
 
 
 class Prepared:
-    """A value derived from parameters (prepared weights), kept until their key changes. Copies and
-    pickles of its owner start empty: a copy's parameters are new storage, and oneDNN's packed tensors
-    cannot be copied."""
+    """A value derived from tensors (prepared weights), rebuilt when any of them changes: each is known by
+    its storage and version counter, which every in-place update bumps (optimizer steps,
+    `load_state_dict`, `copy_` under `torch.no_grad()`), as does moving, casting or replacing it. The
+    tensors themselves are held until the next rebuild, so a replaced parameter's memory cannot be
+    reused by a new one that would then look unchanged. Copies and pickles of the owner start empty: a
+    copy's parameters are new storage, and oneDNN's packed tensors cannot be copied."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
+        self.sources: list[torch.Tensor] = []
         self.value = None
 
-    def get(self, key: tuple, build):
-        """The value for `key`, from `build()` when the key differs from the last one."""
+    def get(self, tensors: list[torch.Tensor], build):
+        """The value built from `tensors`, by `build()` when they changed since the last call."""
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
         if self.key != key:
-            self.value, self.key = build(), key
+            self.value, self.key, self.sources = build(), key, tensors
         return self.value
 
     def __getstate__(self) -> dict:
-        return {"key": None, "value": None}
-
-
-def tensor_key(*tensors: torch.Tensor | None) -> tuple:
-    """(storage, version) of each tensor: changes with every in-place update, move or replacement."""
-    return tuple((t.data_ptr(), t._version) for t in tensors if t is not None)
+        return {"key": None, "sources": [], "value": None}
 
 
 def inference_linear(prepared: Prepared, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -116,4 +116,4 @@ def inference_linear(prepared: Prepared, linear: torch.nn.Linear, x: torch.Tenso
     if torch.is_grad_enabled():
         return linear(x)
     w, b = linear.weight, linear.bias
-    return prepared.get(tensor_key(w, b), lambda: PackedLinear(w, b))(x)
+    return prepared.get([w] if b is None else [w, b], lambda: PackedLinear(w, b))(x)

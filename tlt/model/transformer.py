@@ -30,7 +30,7 @@ from torch import nn
 
 from tlt.model.attention import attend
 from tlt.model.config import ModelConfig
-from tlt.model.fused import FusedWeights, fused_layer_step, parameter_key, uses_fused_step
+from tlt.model.fused import FusedWeights, fused_layer_step, parameters_of, uses_fused_step
 from tlt.model.kv_cache import KVCache
 from tlt.model.layout import ColumnMajorLinears, column_major_linears
 from tlt.model.packed import Prepared, inference_linear
@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
 
     def fused_weights(self) -> FusedWeights:
         """The weights of the fused inference step (tlt/model/fused.py), rebuilt when a parameter changed."""
-        return self._fused.get(parameter_key(self._tables), lambda: FusedWeights.build(self))
+        return self._fused.get(parameters_of(self._tables), lambda: FusedWeights.build(self))
 
     def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
         if uses_fused_step(x):
