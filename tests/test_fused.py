@@ -202,3 +202,24 @@ def test_a_deep_copy_prepares_weights_from_its_own_parameters(tiny_model, packin
             p.mul_(0.9)
     assert torch.allclose(no_grad_logits(twin, ids), grad_logits(twin, ids), atol=1e-5)
     assert torch.equal(no_grad_logits(model, ids), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_do_not_depend_on_how_many_rows_are_multiplied(dtype, monkeypatch):
+    """In bf16 a verification forward's row equals the one-token step's bit for bit (the greedy and
+    seeded equality of bf16 speculative and plain decoding rest on it), whatever kernel oneDNN picks
+    for the row count, the single row's padding included; in float32 oneDNN's kernels for different row
+    counts round differently, within float32 rounding. 3-D inputs take the same 2-D path."""
+    if not packed.ONEDNN:
+        pytest.skip("this PyTorch build has no oneDNN")
+    monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
+    gen = torch.Generator().manual_seed(0)
+    linear = packed.PackedLinear(torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype))
+    assert linear.packed
+    x, residual = torch.randn(17, 64, generator=gen).to(dtype), torch.randn(17, 96, generator=gen).to(dtype)
+    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    for m in (1, 4, 9, 17):
+        assert same(linear(x[:m])[0], linear(x)[0])
+        assert same(linear.add(residual[:m], x[:m])[0], linear.add(residual, x)[0])
+    assert torch.equal(linear(x[None, :1])[0, 0], linear(x[:1])[0])
+    assert linear(x[:1]).shape == (1, 96) and linear.add(residual[:1], x[:1]).shape == (1, 96)
