@@ -93,6 +93,12 @@ def test_bench_names_make_bench_model_when_missing_or_incomplete(cache):
         bench_model.build(run=failing, log=lambda *_: None)
     with pytest.raises(CheckpointError, match="incomplete.*make bench-model"):
         resolve_model_path("bench")
+    # the next build keeps the finished policy stage and runs the drafter only; --force runs both
+    calls = []
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
+    assert [a[a.index("tlt.cli") + 1] for a in calls] == ["train-drafter"]
+    assert [c["name"] for c in json.loads((cache / bench_model.STAMP).read_text())["commands"]] == ["policy", "drafter"]
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None, force=True) and len(calls) == 3
 
 
 def test_cache_root_follows_tlt_cache_then_xdg(monkeypatch, tmp_path):

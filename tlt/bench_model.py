@@ -10,6 +10,8 @@ builds them into `cache_folder()`:
     $TLT_CACHE/bench/                 (TLT_CACHE defaults to ${XDG_CACHE_HOME:-~/.cache}/tlt)
         config.json, model.safetensors, char_tokenizer.json, recipe.json    the policy
         drafter/                                                            its drafter
+        .stage-NAME.json    one per finished stage (policy, drafter) with the recipe's hash: an
+                            interrupted build resumes at the stage it was in
         bench_recipe.json   the recipe, its hash and the commands that ran; written last, so its
                             presence with the current recipe's hash means a complete, current build
 
@@ -76,6 +78,15 @@ def stamp(folder: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def stage_record(folder: Path, name: str) -> dict | None:
+    """The record of build stage `name` finished in `folder`, None when it has not finished."""
+    try:
+        data = json.loads((folder / f".stage-{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "step" in data else None
+
+
 def is_current(folder: Path, r: dict | None = None) -> bool:
     """True when `folder` holds a complete build of recipe `r` (the current recipe when None)."""
     s = stamp(folder)
@@ -113,16 +124,26 @@ def build(folder: Path | None = None, force: bool = False, run=subprocess.run, l
     if is_current(folder, r) and not force:
         log(f"bench model: {folder} holds the current recipe ({recipe_hash(r)}); reused")
         return False
+    from tlt.io import atomic_write_json
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / STAMP).unlink(missing_ok=True)
-    ran, start = [], time.time()
+    ran, start, h = [], time.time(), recipe_hash(r)
     for name, args in COMMANDS:
         argv = [a.replace("{out}", str(folder)) for a in args]
+        done = stage_record(folder, name)
+        if done is not None and done.get("hash") == h and not force:
+            log(f"bench model: {name}: kept from an earlier build of this recipe ({done.get('seconds')} s)")
+            ran.append(done["step"])
+            continue
         log(f"bench model: {name}: tlt {' '.join(argv)}")
         t0 = time.time()
         run([sys.executable, "-m", "tlt.cli", *argv], check=True)
-        ran.append({"name": name, "command": "tlt " + " ".join(argv), "seconds": round(time.time() - t0)})
-    from tlt.io import atomic_write_json
+        step = {"name": name, "command": "tlt " + " ".join(argv), "seconds": round(time.time() - t0)}
+        # Each finished stage is recorded, so an interrupted build (the policy alone takes about an
+        # hour) resumes at the stage it was in.
+        atomic_write_json(folder / f".stage-{name}.json", {"hash": h, "seconds": step["seconds"], "step": step})
+        ran.append(step)
 
     atomic_write_json(folder / STAMP, {"hash": recipe_hash(r), "recipe": r, "commands": ran,
                                        "seconds": round(time.time() - start)})
