@@ -223,6 +223,8 @@ def test_a_truncated_eval_file_and_a_finished_run_are_said(model_dir, tmp_path):
     ["eval", "--problems", "0"], ["eval", "--threads", "-1"], ["eval", "--temperature", "nan"],
     ["demo", "--threads", "-1"], ["audit", "--samples", "0"], ["audit", "--max-tokens", "0"],
     ["train-drafter", "--out", "x", "--samples", "0"], ["train-drafter", "--out", "x", "--temperature", "-1"],
+    ["bench", "rollout", "--prompts", "-1"], ["bench", "rollout", "--samples", "0"],
+    ["bench", "rollout", "--temperature", "nan"], ["bench", "roofline", "--prompt-len", "0"],
 ])
 def test_cli_flags_are_checked_before_anything_loads(argv, capsys):
     """Regression: `tlt eval --problems 0` ended in an IndexError traceback and `--threads -1` (eval, demo)
@@ -231,3 +233,15 @@ def test_cli_flags_are_checked_before_anything_loads(argv, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert f"argument {argv[-2]}: expected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field,value", [("lr", "nan"), ("lr", "0"), ("grad_clip", "0"), ("weight_decay", "-1"),
+                                         ("warmup_steps", "-1")])
+def test_sft_config_refuses_values_the_optimizer_would_fail_on_later(field, value):
+    """Regression: `tlt sft lr=nan` built the model and then ended in torch's ValueError traceback."""
+    from tlt.config import build
+    from tlt.errors import ConfigError
+    from tlt.sft import SFTConfig
+
+    with pytest.raises(ConfigError, match=f"field '{field}'"):
+        build(SFTConfig, None, [f"{field}={value}"])

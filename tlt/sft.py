@@ -67,6 +67,14 @@ class SFTConfig:
             raise ConfigError(f"field 'error_rate' must be in [0, 1), got {self.error_rate}")
         if self.steps <= 0 or self.rows_per_step <= 0 or self.row_tokens < 64:
             raise ConfigError("fields 'steps' and 'rows_per_step' must be positive and 'row_tokens' >= 64")
+        for name in ("lr", "grad_clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ConfigError(f"field {name!r} must be a finite number > 0, got {value!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < math.inf):
+            raise ConfigError(f"field 'weight_decay' must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"field 'warmup_steps' must be >= 0, got {self.warmup_steps}")
         if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
             raise ConfigError(f"field 'stop_at' must be in 1..steps ({self.steps}), got {self.stop_at}")
         from tlt.tasks import task_names

@@ -46,13 +46,25 @@ from tlt.device import synchronize
 from tlt.model.checkpoint import DTYPE_NAMES
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tlt.bench.forward import _positive_int
+
     parser.add_argument("--model", default="default")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=640)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=_positive_int, default=16)
+    parser.add_argument("--samples", type=_positive_int, default=8)
+    parser.add_argument("--temperature", type=_non_negative_float, default=1.0)
+    parser.add_argument("--max-tokens", type=_positive_int, default=640)
+    parser.add_argument("--repeats", type=_positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
