@@ -6,16 +6,17 @@ should cost what one over a single token costs. MKL's products on plain weights 
 project's 2-core EPYC, [M, 1024] x [1024, 4096] in float32 costs 3-4x more at M = 4-17 than at M = 1,
 and bf16 through `F.linear` runs at half the bandwidth. Weights reordered once into oneDNN's blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`, multiplied by `_linear_pointwise`) cost about the same
-for M = 1..9 and reach about 80% of the bandwidth in bf16 at M = 1.
+for M = 1..17 in bf16. Their one-row bf16 kernel streams 10-16 GB/s where a plain sum reads 27-39 GB/s,
+so the kernel, not the memory, bounds a one-token step (`tlt bench roofline` measures both).
 
 Packing has a fixed cost of 10-20 us a call, so it pays only where the weight streams from memory:
 `should_pack` packs every bf16 weight (plain bf16 products are slower at every size measured) and float32
 weights of at least PACK_MIN_BYTES; smaller float32 weights (the default model's, inside L3) keep the
 column-major layout of tlt/model/layout.py, whose MKL products are the faster there.
 
-`PackedLinear` is a frozen snapshot of one weight (and bias): whoever holds it rebuilds it when the
-parameter changes (see the version keys in tlt/model/fused.py). Where oneDNN is missing or cannot pack
-(a CPU build without it, a GPU tensor) the same object multiplies the plain weight.
+`PackedLinear` is a frozen snapshot of one weight (and bias), rebuilt by its holder's `Prepared` when the
+parameter changes. Where oneDNN is missing or cannot pack (a CPU build without it, a GPU tensor) the
+same object multiplies the plain weight.
 """
 
 from __future__ import annotations
@@ -92,10 +93,6 @@ class PackedLinear:
         if rows.shape[0] == 1 and rows.dtype == torch.bfloat16:
             return rows.expand(ONE_ROW_PAD, -1).contiguous()
         return rows
-
-    def nbytes(self) -> int:
-        """Bytes of weight this product streams."""
-        return self.out_features * self.in_features * self.weight.element_size()
 
 
 class Prepared:
