@@ -58,6 +58,30 @@ def test_clipped_surrogate_by_hand():
     assert parts["ratio"].item() == pytest.approx(1.0)
 
 
+def test_truncated_importance_sampling_by_hand():
+    """Each token's surrogate is weighted by min(pi_old / mu, C), with no gradient through the weight;
+    with mu = pi_old it is the plain loss."""
+    old = torch.log(torch.tensor([0.5, 0.5, 0.2, 0.4]))
+    mu = torch.log(torch.tensor([0.25, 0.5, 0.4, 0.1]))  # pi_old / mu = 2, 1, 0.5, 4
+    logp = (old + torch.tensor([0.1, -0.1, 0.05, 0.0])).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    w = torch.full((4,), 0.25)
+    config = LossConfig(tis_cap=3.0)
+    plain, _ = policy_loss(logp, old, adv, w, LossConfig())
+    per_token = -torch.minimum((logp - old).exp() * adv, (logp - old).exp().clamp(0.8, 1.28) * adv)
+    expected = (per_token * torch.tensor([2.0, 1.0, 0.5, 3.0]) * w).sum()
+    loss, parts = policy_loss(logp, old, adv, w, config, behaviour_logp=mu)
+    assert loss.item() == pytest.approx(expected.item())
+    assert parts["tis_ratio"].item() == pytest.approx((2 + 1 + 0.5 + 4) / 4)
+    assert parts["tis_clipped"].item() == pytest.approx(0.25)  # one token of four above the cap
+    grad, = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, torch.autograd.grad(expected, logp)[0])  # the weights are constants
+    same, _ = policy_loss(logp, old, adv, w, config, behaviour_logp=old)
+    assert same.item() == pytest.approx(plain.item())
+    with pytest.raises(ValueError, match="behaviour log-probs"):
+        policy_loss(logp, old, adv, w, config)
+
+
 def test_clip_gradient_is_zero_where_clipped():
     config = LossConfig(clip_low=0.2, clip_high=0.2)
     logp = torch.log(torch.tensor([1.5, 1.1])).requires_grad_()

@@ -436,3 +436,23 @@ def test_rollout_in_bfloat16_with_float32_master_weights(model_dir):
         assert any(not torch.equal(before[k], v) for k, v in engine_drafter.state_dict().items())
     finally:
         trainer.close()
+
+
+def test_truncated_importance_sampling_corrects_bf16_rollouts(model_dir):
+    """tis_cap with bf16 engines and a float32 trainer: the update weights tokens by min(pi_old / mu, C)
+    and logs the ratio's mean and the share of tokens above the cap; it needs the recomputed pi_old."""
+    from tlt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tis_cap.*old_logprobs=recompute"):
+        config(model_dir, tis_cap=2.0)
+    with pytest.raises(ConfigError, match="tis_cap"):
+        config(model_dir, tis_cap=0.5, old_logprobs="recompute")
+    c = config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", tis_cap=2.0, steps=1)
+    trainer = GRPOTrainer(c)
+    row = trainer.train_step()
+    trainer.close()
+    assert 0.5 < row["tis_ratio"] < 2.0 and row["tis_ratio"] != 1.0  # bf16 and float32 probabilities differ a little
+    assert 0.0 <= row["tis_clipped"] <= 1.0
+    plain = GRPOTrainer(config(model_dir, steps=1))
+    assert "tis_ratio" not in plain.train_step()
+    plain.close()

@@ -100,6 +100,10 @@ class TrainConfig:
     filter_groups: bool = False  # drop groups whose rewards are all equal (they carry no signal)
     skip_zero_advantage: bool = True  # exact: such responses add nothing to the gradient (no KL/entropy)
     old_logprobs: str = "rollout"  # "rollout": the engine's; "recompute": a trainer forward before the update
+    # > 0 (and old_logprobs=recompute): truncated importance sampling, each token's surrogate weighted by
+    # min(pi_old / mu, tis_cap), mu the engine's probability of the token (a bf16 engine samples from a
+    # slightly different distribution than the float32 trainer's pi_old); logged as tis_ratio, tis_clipped
+    tis_cap: float = 0.0
     # --- optimisation
     lr: float = 1e-4
     lr_schedule: str = "constant"  # constant or cosine (to 10% of lr at `steps`)
@@ -182,6 +186,9 @@ class TrainConfig:
             raise ConfigError("fields 'lr' and 'reward_timeout_s' must be > 0")
         if not isinstance(self.wandb_project, str) or not self.wandb_project.strip():
             raise ConfigError(f"field 'wandb_project' must be a non-empty name, got {self.wandb_project!r}")
+        if self.tis_cap > 0 and self.old_logprobs != "recompute":
+            raise ConfigError(f"field 'tis_cap' is {self.tis_cap}: it needs old_logprobs=recompute (with the engine's "
+                              "log-probs as pi_old, pi_old / mu is 1 and there is nothing to correct)")
         if self.rollout_dtype != "float32" and self.old_logprobs != "recompute":
             raise ConfigError(f"field 'rollout_dtype' is {self.rollout_dtype!r}: set old_logprobs=recompute, since the "
                               "engine's log-probs in that dtype are not the trainer's float32 ones")
@@ -272,4 +279,4 @@ class TrainConfig:
     def loss(self):
         from tlt.rl.grpo import LossConfig
 
-        return LossConfig(self.clip_low, self.clip_high, self.aggregation, self.kl_coef, self.entropy_coef)
+        return LossConfig(self.clip_low, self.clip_high, self.aggregation, self.kl_coef, self.entropy_coef, self.tis_cap)

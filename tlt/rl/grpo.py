@@ -5,6 +5,9 @@ Pure tensor functions, named as in the papers (GRPO: Shao et al. 2024; DAPO: Yu 
   ratio       rho_t = exp(logp_t - logp_old_t)
   surrogate   L_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)   (clip-higher: eps_high > eps_low)
   KL (k3)     k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1 >= 0, unbiased for KL(pi || ref)
+  TIS         w_t = min(pi_old(y_t) / mu(y_t), C): truncated importance sampling for rollouts sampled from a
+              behaviour policy mu other than pi_old (bf16 engines for a float32 trainer); it weights the
+              surrogate of each token, with no gradient through it
 Aggregation: "token" averages over every response token of the whole step batch (DAPO); "sequence"
 averages each response over its own tokens, then over responses (the original GRPO). Both take the
 normaliser as an argument so that micro-batches with gradient accumulation add up to exactly the loss of
@@ -64,6 +67,7 @@ class LossConfig:
     aggregation: str = "token"  # "token" or "sequence"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    tis_cap: float = 0.0  # C of truncated importance sampling; 0: off
 
     def __post_init__(self) -> None:
         if self.aggregation not in ("token", "sequence"):
@@ -72,6 +76,8 @@ class LossConfig:
             raise ConfigError(f"fields 'clip_low' in [0, 1) and 'clip_high' >= 0, got {self.clip_low}, {self.clip_high}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ConfigError("fields 'kl_coef' and 'entropy_coef' must be >= 0")
+        if not (self.tis_cap == 0 or self.tis_cap >= 1):
+            raise ConfigError(f"field 'tis_cap' must be 0 (off) or >= 1, got {self.tis_cap}")
 
 
 def token_weights(lengths: torch.Tensor, aggregation: str, total_tokens: int, total_responses: int) -> torch.Tensor:
@@ -91,16 +97,24 @@ def policy_loss(
     config: LossConfig,
     ref_logp: torch.Tensor | None = None,
     entropies: torch.Tensor | None = None,
+    behaviour_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch and its parts, all weighted sums so micro-batches add up.
 
-    Every argument is per response token, flat [N]: log-probs under the policy (with gradient), at
-    rollout (old) and under the reference; the advantage of the token's response; the token's weight
-    from `token_weights`; the entropy of the policy's distribution at the token."""
+    Every argument is per response token, flat [N]: log-probs under the policy (with gradient), before
+    the update (old) and under the reference; the advantage of the token's response; the token's weight
+    from `token_weights`; the entropy of the policy's distribution at the token; the log-prob the token
+    was sampled with (behaviour, needed by `tis_cap`)."""
     ratio = (logp - old_logp).exp()  # [N]
     clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)  # [N]
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [N]
     is_clipped = (ratio * advantages > clipped * advantages).to(logp.dtype)  # [N]: the clip is active
+    tis_ratio = torch.ones_like(logp)  # [N] pi_old / mu
+    if config.tis_cap > 0:
+        if behaviour_logp is None:
+            raise ValueError("tis_cap > 0 needs the behaviour log-probs the tokens were sampled with")
+        tis_ratio = (old_logp - behaviour_logp).exp().detach()  # [N]
+        per_token = per_token * tis_ratio.clamp(max=config.tis_cap)
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # [N]
     if config.kl_coef > 0:
         if ref_logp is None:
@@ -116,5 +130,8 @@ def policy_loss(
         "clip_fraction": (is_clipped.detach() * weights).sum(),
         "kl": (kl.detach() * weights).sum(),
         "entropy": (entropies.detach() * weights).sum(),
+        "tis_ratio": (tis_ratio * weights).sum(),
+        "tis_clipped": ((tis_ratio > config.tis_cap).to(logp.dtype) * weights).sum() if config.tis_cap > 0
+        else torch.zeros((), dtype=logp.dtype, device=logp.device),
     }
     return loss, parts

@@ -24,7 +24,7 @@ from tlt.rl.episode import Episode, MicroBatch, pack
 from tlt.rl.grpo import entropy, policy_loss, token_weights
 
 # Diagnostic sums reduced over ranks per slice, after the loss and the weight seen.
-PARTS = ("ratio", "clip_fraction", "kl", "entropy")
+PARTS = ("ratio", "clip_fraction", "kl", "entropy", "tis_ratio", "tis_clipped")
 
 
 class Diverged(TrainingError):
@@ -39,16 +39,18 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     advantage: float
-    old_logprobs: torch.Tensor  # [T] the behaviour policy's, per completion token
+    old_logprobs: torch.Tensor  # [T] the policy's before the update, per completion token
     ref_logprobs: torch.Tensor | None = None  # [T] the reference's, when there is a KL term
+    rollout_logprobs: torch.Tensor | None = None  # [T] the engine's, when old_logprobs were recomputed
 
     @classmethod
     def of(cls, episode: Episode, old: dict, ref: dict) -> "Sample":
         """From an episode and the trainer's recomputed old / reference log-probs keyed by id(episode)
         (an empty `old` means the engine's log-probs). Copies, so no view pins a micro-batch's tensor."""
-        old_lp = old[id(episode)].clone() if old else torch.tensor(episode.logprobs)
+        rollout = torch.tensor(episode.logprobs)
+        old_lp = old[id(episode)].clone() if old else rollout
         return cls(episode.group, episode.prompt_ids, episode.completion_ids, episode.advantage, old_lp,
-                   ref[id(episode)].clone() if ref else None)
+                   ref[id(episode)].clone() if ref else None, rollout if old else None)
 
 
 def build_optimizer(policy: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -124,7 +126,7 @@ def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig,
     slices = [set(s.tolist()) for s in np.array_split(np.array(groups), min(c.mini_batches, len(groups)))]
     for group in optimizer.param_groups:
         group["lr"] = lr
-    totals = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    totals = {"loss": 0.0, "grad_norm": 0.0, **{k: 0.0 for k in PARTS}}
     first_dev = None
     # A response with advantage 0 adds exactly nothing to the surrogate's gradient; unless KL or
     # entropy terms touch it, it is left out of the forward but still counted in the normaliser,
@@ -145,9 +147,11 @@ def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig,
             old_lp = torch.cat([s.old_logprobs for s in mb.episodes]).to(device)  # [N]
             refs = [s.ref_logprobs for s in mb.episodes]
             ref_lp = torch.cat(refs).to(device) if refs[0] is not None else None  # [N]
+            behaviour = ([s.rollout_logprobs for s in mb.episodes] if loss_config.tis_cap > 0 else [None])
+            mu_lp = torch.cat(behaviour).to(device) if behaviour[0] is not None else None  # [N]
             adv = torch.tensor([s.advantage for s in mb.episodes]).repeat_interleave(lengths).to(device)  # [N]
             weights = token_weights(lengths, c.aggregation, n_tokens, len(batch)).to(device)  # [N]
-            loss, parts = policy_loss(logp, old_lp, adv, weights, loss_config, ref_lp, ent)
+            loss, parts = policy_loss(logp, old_lp, adv, weights, loss_config, ref_lp, ent, mu_lp)
             sums[0] += loss.detach()
             if not torch.isfinite(loss):  # the reduced loss is then non-finite on every rank
                 break
@@ -175,5 +179,7 @@ def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig,
         totals["grad_norm"] += norm.item() / len(slices)
         optimizer.step()
     if not ran:
-        totals.update(ratio=None, clip_fraction=None, kl=None, entropy=None)
+        totals.update({k: None for k in PARTS})
+    if loss_config.tis_cap == 0:  # nothing to report
+        del totals["tis_ratio"], totals["tis_clipped"]
     return {**totals, "lr": lr, "ratio_first_max_dev": first_dev, "responses_in_update": ran}
