@@ -401,6 +401,10 @@ def test_compare_in_bfloat16_against_a_float32_baseline(model_dir, tmp_path):
     assert ratios["speedup_vs_off_float32"] == pytest.approx(sum(times["off_float32"]["step_time_s"]) /
                                                              sum(times["tlt"]["step_time_s"]))
     breakdown = result["breakdown_s"]
+    share = breakdown["off"]["rollout"] / sum(times["off"]["step_time_s"])
+    assert ratios["rollout_share"] == pytest.approx(share)
+    rollout = breakdown["off"]["rollout"] / breakdown["tlt"]["rollout"]
+    assert ratios["amdahl_bound"] == pytest.approx(1 / ((1 - share) + share / rollout))
     assert ratios["rollout_speedup_vs_off_float32"] == pytest.approx(breakdown["off_float32"]["rollout"] /
                                                                      breakdown["tlt"]["rollout"])
     # the same dtype as the shared runs adds nothing

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     report = write_report(out / "tlt", compare=out / "off", labels=("tlt", "off"))
     ratios = result["ratios"]
     print(f"\nend-to-end speed-up over speculation off: {ratios['speedup']:.2f}x per RL step "
-          f"(rollout {ratios['rollout_speedup']:.2f}x; rollout is {ratios['rollout_share_off']:.0%} of an off step)")
+          f"(rollout {ratios['rollout_speedup']:.2f}x; rollout is {ratios['rollout_share']:.0%} of an off step)")
     print("(one short run on a shared machine: `tlt bench e2e --steps 20` gives a steadier figure)")
     print(f"same samples as the off run (every response length and the reward) in {result['matching_steps']} "
           f"of {args.steps} steps: tlt's default arms verify target-only, so the two are the same run")

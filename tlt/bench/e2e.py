@@ -153,8 +153,12 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
             "speedup_median_step": statistics.median(a["time_step_s"] / b["time_step_s"]
                                                      for a, b in zip(rows["off"], rows["tlt"])),
             "rollout_speedup": total("off", "time_rollout_s") / total("tlt", "time_rollout_s"),
-            "rollout_share_off": total("off", "time_rollout_s") / total("off", "time_step_s"),
+            "rollout_share": total("off", "time_rollout_s") / total("off", "time_step_s"),
         })
+        # Amdahl: the whole-step speed-up a rollout speed-up r can give when rollout is a share s of an
+        # off step and nothing else changes.
+        s, r = ratios["rollout_share"], ratios["rollout_speedup"]
+        ratios["amdahl_bound"] = 1.0 / ((1.0 - s) + s / r)
     if baseline is not None:
         ratios[f"speedup_vs_{baseline}"] = total(baseline, "time_step_s") / total("tlt", "time_step_s")
         ratios[f"rollout_speedup_vs_{baseline}"] = total(baseline, "time_rollout_s") / total("tlt", "time_rollout_s")
@@ -183,7 +187,8 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
         result["accuracy_gain_off"] = 100.0 * (evals["off"][-1]["eval_accuracy"] - evals["off"][0]["eval_accuracy"])
         log(f"speed-up (off time / tlt time): whole run {ratios['speedup']:.2f}, median step "
             f"{ratios['speedup_median_step']:.2f}, rollout {ratios['rollout_speedup']:.2f}; "
-            f"rollout share of step time (off) {ratios['rollout_share_off']:.0%}")
+            f"rollout share of step time (off) {ratios['rollout_share']:.0%}, so at most "
+            f"{ratios['amdahl_bound']:.2f} from the rollout speed-up alone")
         log(f"steps with the same response lengths and rewards in both runs, from the first: "
             f"{result['matching_steps']} of {steps}")
     if baseline is not None:
