@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tlt.bench.history import counts, epoch_of
 
 from rl_fixtures import save_tiny_policy
@@ -38,6 +40,9 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     assert both["speedup_with_suffix_arms"] == speedup["rollout_speedup"] > 0
     assert speedup["arms_added"] == ["suffix-d8-v16"] and "suffix-d8-v16" not in speedup["arms_without"]
     assert speedup["matching_steps"] == 4  # target-only arms: the same samples with and without the new arm
+    for name in ("without", "with"):  # where each run's step time went
+        assert set(speedup["breakdown_s"][name]) == {"rollout", "reward", "logprob", "update", "sync", "drafter"}
+        assert speedup["breakdown_s"][name]["rollout"] == pytest.approx(speedup["rollout_s"][name])
     assert any("suffix-d8-v16" in arms for arms in speedup["choices_by_batch_size_with"].values())
     assert both["speedup_command"] == ("tlt bench history --measure speedup --problems 4 --epochs 2 "
                                        f"--prompts-per-step 2 --group 2 --arms suffix-d8-v16 model={model} "

@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+STAGES = ("rollout", "reward", "logprob", "update", "sync", "drafter")  # the timed parts of an RL step
+
+
 def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print,
             runs: tuple[str, ...] = ("off", "tlt", "frozen"), baseline_dtype: str | None = None) -> dict:
     """Run `base` with speculation off, with `tlt_mode` and (when the drafter trains) with the drafter
@@ -145,7 +148,6 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
     def total(name, key):
         return sum(r[key] for r in rows[name])
 
-    stages = ("rollout", "reward", "logprob", "update", "sync", "drafter")
     ratios = {}
     if "off" in rows:
         ratios.update({
@@ -169,7 +171,7 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
         "config": to_dict(base), "tlt_mode": tlt_mode, "steps": steps, "runs": list(rows),
         "ratios": ratios,
         "accuracy_gain": 100.0 * (last - first),
-        "breakdown_s": {name: {s: total(name, f"time_{s}_s") for s in stages} for name in rows},
+        "breakdown_s": {name: {s: total(name, f"time_{s}_s") for s in STAGES} for name in rows},
         "curves": {name: {"reward": [r["reward"] for r in rows[name]], "eval": evals[name],
                           "step_time_s": [r["time_step_s"] for r in rows[name]],
                           "acceptance_length": [r["acceptance_length"] for r in rows[name]],
@@ -204,7 +206,7 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
         log(f"learned drafter ({result['cold_start']['learned_arm']}) ahead of the n-gram drafter "
             f"({result['cold_start']['ngram_arm']}) from step {result['cold_start']['overtake_step']}")
     for name in rows:
-        parts = "  ".join(f"{s} {result['breakdown_s'][name][s]:.1f}s" for s in stages)
+        parts = "  ".join(f"{s} {result['breakdown_s'][name][s]:.1f}s" for s in STAGES)
         log(f"  {name:>6}: {parts}")
     log("eval accuracy: " + ", ".join(f"{name} {evals[name][0]['eval_accuracy']:.3f} -> {evals[name][-1]['eval_accuracy']:.3f}"
                                       for name in rows))

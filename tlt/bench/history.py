@@ -213,7 +213,8 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
 
 def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step."""
-    from tlt.bench.e2e import matching_steps
+    from tlt.bench import rotation
+    from tlt.bench.e2e import STAGES, matching_steps
     from tlt.errors import ConfigError
     from tlt.rl.trainer import GRPOTrainer
 
@@ -228,8 +229,8 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     rows: dict[str, list[dict]] = {name: [] for name in trainers}
     start = time.perf_counter()
     for step in range(base.steps):
-        for name, trainer in trainers.items():
-            rows[name].append(trainer.train_step())
+        for name in rotation(list(trainers), step):  # neither run always goes first
+            rows[name].append(trainers[name].train_step())
         log(f"step {step + 1:3d}  " + "  ".join(
             f"{name} rollout {rows[name][-1]['time_rollout_s']:6.2f}s accept {rows[name][-1]['acceptance_length'] or 0:.2f}"
             for name in rows))
@@ -251,6 +252,7 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
         "rollout_speedup": total("without", "time_rollout_s") / total("with", "time_rollout_s"),
         "step_speedup": total("without", "time_step_s") / total("with", "time_step_s"),
         "rollout_s": {name: total(name, "time_rollout_s") for name in rows},
+        "breakdown_s": {name: {stage: total(name, f"time_{stage}_s") for stage in STAGES} for name in rows},
         "matching_steps": matching_steps(rows["without"], rows["with"]),
         "acceptance_length": {name: [r["acceptance_length"] for r in rows[name]] for name in rows},
         "choices_by_batch_size_with": dict(sorted(choices.items(), key=lambda kv: int(kv[0]))),
