@@ -204,7 +204,7 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         "rows": rows, "wall_s": time.perf_counter() - start,
     }
     ratio = result["ratio"]
-    log(f"acceptance from epoch 2 on: " + ", ".join(f"{n} {v:.2f}" for n, v in result["acceptance_epoch_2_on"].items()
+    log("acceptance from epoch 2 on: " + ", ".join(f"{n} {v:.2f}" for n, v in result["acceptance_epoch_2_on"].items()
                                                      if v is not None)
         + (f"; {suffix} / {paired[0]} = {ratio:.2f}x" if ratio else "")
         + f"; same samples in every rollout: {result['same_samples']}")
