@@ -379,3 +379,12 @@ def test_the_transformers_twin_of_the_character_tokenizer_gives_the_same_ids(tas
         assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids) == text
     assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (1, 2, 0)
     assert theirs.batch_decode([ours.encode(t) for t in texts[:3]], skip_special_tokens=True) == texts[:3]
+
+
+def test_eval_buckets_sort_by_their_first_step_count_the_open_one_last():
+    """Regression: `tlt eval --task bench` (chains past 128 steps) computed its result and then crashed
+    on sorting the '129+' bucket."""
+    from tlt.evaluate import _bucket, _bucket_start
+
+    keys = {_bucket(n) for n in (200, 70, 3, 1, 40, 129)}
+    assert sorted(keys, key=_bucket_start) == ["1-1", "3-4", "33-64", "65-128", "129+"]

@@ -55,12 +55,17 @@ def evaluate(model, tokenizer, problems, temperature: float = 1.0, n: int = 1, m
         passes.append(pass_at_k(n, sum(hits), n))
         key = _bucket(problem.num_steps)
         buckets.setdefault(key, []).extend(hits)
-    order = sorted(buckets, key=lambda k: int(k.split("-")[0]))
+    order = sorted(buckets, key=_bucket_start)
     return EvalResult(
         accuracy=float(np.mean(correct)), pass_at_k=float(np.mean(passes)), samples=len(correct), lengths=lengths,
         by_steps={k: float(np.mean(buckets[k])) for k in order},
         wall_time_s=engine.stats()["wall_time_s"] - stats_before,
     )
+
+
+def _bucket_start(key: str) -> int:
+    """The first step count of a `_bucket` key ("3-4" -> 3, "129+" -> 129), the order the keys print in."""
+    return int(key.split("-")[0].rstrip("+"))
 
 
 def _bucket(steps: int) -> str:
