@@ -116,7 +116,7 @@ def test_sft_under_bf16_autocast_trains_a_tiny_model_and_records_the_preset(tmp_
 
     tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
             "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 2048, "steps": 2,
-            "warmup_steps": 1, "threads": 1, "log_every": 1, "save_every": 2}
+            "warmup_steps": 1, "threads": 1, "log_every": 1, "save_every": 2, "init": None}
     monkeypatch.setitem(PRESETS, "bench", {**PRESETS["bench"], **tiny})
     c = config_from("bench")
     lines = []

@@ -2,8 +2,8 @@
 
 The default model (3 M parameters) fits this CPU's L3 cache, so its decode is bound by per-operator
 cost, not by streaming weights as a real policy's is. The bench policy (`tlt sft --preset bench`,
-~90 M parameters, 12 layers, ~180 MB in bf16) streams from memory at batch 1 and answers the `bench`
-task (reasoning-length chains); its EAGLE drafter comes from the `tlt train-drafter` recipe on its own
+~92 M parameters, 12 layers, ~184 MB in bf16: the default model grown to that shape, then trained)
+streams from memory at batch 1 and answers the `bench` task (reasoning-length chains); its EAGLE drafter comes from the `tlt train-drafter` recipe on its own
 samples of that task. Both are too large for git, so `make bench-model` (`python -m tlt.bench_model`)
 builds them into `cache_folder()`:
 
@@ -35,7 +35,7 @@ from tlt.errors import CheckpointError
 
 NAME = "bench"
 STAMP = "bench_recipe.json"
-# Commands run in order; {out} is the cache folder. Sized to about 1 hour (policy) and 10-15 minutes
+# Commands run in order; {out} is the cache folder. Sized to about 30 minutes (policy) and 10-15 minutes
 # (drafter) on 2 cores.
 COMMANDS = (
     ("policy", ["sft", "--preset", "bench", "--out", "{out}"]),
@@ -57,11 +57,16 @@ def cache_folder() -> Path:
 
 
 def recipe() -> dict:
-    """Everything the build depends on: the SFT preset, the task's fields and the commands."""
+    """Everything the build depends on: the SFT preset, the weights it grows from, the task's fields and
+    the commands."""
+    from tlt.model.checkpoint import resolve_model_path
     from tlt.sft import PRESETS
     from tlt.tasks import NAMED_TASKS
 
-    return {"sft_preset": PRESETS["bench"], "task": list(NAMED_TASKS["bench"]),
+    preset = PRESETS["bench"]
+    weights = resolve_model_path(preset["init"]) / "model.safetensors"
+    return {"sft_preset": preset, "task": list(NAMED_TASKS["bench"]),
+            "init_weights": hashlib.sha256(weights.read_bytes()).hexdigest()[:16],
             "commands": {name: ["tlt", *args] for name, args in COMMANDS}}
 
 
@@ -104,7 +109,7 @@ def built_folder(what: str = "model") -> Path:
         why = f"was built from another recipe (hash {s.get('hash')}, current {recipe_hash(recipe())})"
     else:
         return folder
-    raise CheckpointError(f"the bench {what} at {folder} {why}: run `make bench-model` (about 1.5 hours on 2 cores; "
+    raise CheckpointError(f"the bench {what} at {folder} {why}: run `make bench-model` (about 50 minutes on 2 cores; "
                           f"TLT_CACHE sets the cache folder)")
 
 
@@ -141,7 +146,7 @@ def build(folder: Path | None = None, force: bool = False, run=subprocess.run, l
         run([sys.executable, "-m", "tlt.cli", *argv], check=True)
         step = {"name": name, "command": "tlt " + " ".join(argv), "seconds": round(time.time() - t0)}
         # Each finished stage is recorded, so an interrupted build (the policy alone takes about an
-        # hour) resumes at the stage it was in.
+        # half hour) resumes at the stage it was in.
         atomic_write_json(folder / f".stage-{name}.json", {"hash": h, "seconds": step["seconds"], "step": step})
         ran.append(step)
 
