@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from tlt.bench import speculative
+from tlt.bench import fill_workload_defaults, speculative
+from tlt.tasks import get_task
 from tlt.io import atomic_write_json
 
 STRATEGIES = ["off", "tree-d3-k2-v4", "ngram-d3"]
@@ -124,7 +125,15 @@ def test_options_parse_lists():
     speculative.add_arguments(parser)
     args = parser.parse_args(["--batch-sizes", "1,2", "--strategies", "off,ngram-d3", "--skip-hf"])
     assert args.batch_sizes == [1, 2] and args.strategies == ["off", "ngram-d3"] and args.skip_hf
-    defaults = parser.parse_args([])
+    defaults = fill_workload_defaults(parser.parse_args([]))
     assert defaults.batch_sizes == [1, 4, 16, 64] and defaults.strategies == list(speculative.STRATEGIES)
-    assert (defaults.model, defaults.drafter, defaults.max_tokens, defaults.repeats, defaults.dtype) == (
-        "default", "default", 640, 3, "float32")
+    assert (defaults.model, defaults.task, defaults.drafter, defaults.max_tokens, defaults.repeats, defaults.dtype) == (
+        "default", "arithmetic", "default", 640, 3, "float32")
+    # the bench policy answers its own task, with its own drafter, up to the task's longest solution
+    bench = fill_workload_defaults(parser.parse_args(["--model", "bench"]))
+    assert (bench.task, bench.drafter, bench.max_tokens) == ("bench", "bench", get_task("bench").config.max_solution_tokens)
+    given = fill_workload_defaults(parser.parse_args(["--model", "bench", "--task", "arithmetic", "--drafter", "d",
+                                                      "--max-tokens", "50"]))
+    assert (given.task, given.drafter, given.max_tokens) == ("arithmetic", "d", 50)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--task", "nope"])

@@ -145,7 +145,7 @@ def build(folder: Path | None = None, force: bool = False, run=subprocess.run, l
         t0 = time.time()
         run([sys.executable, "-m", "tlt.cli", *argv], check=True)
         step = {"name": name, "command": "tlt " + " ".join(argv), "seconds": round(time.time() - t0)}
-        # Each finished stage is recorded, so an interrupted build (the policy alone takes about an
+        # Each finished stage is recorded, so an interrupted build (the policy alone takes about
         # half hour) resumes at the stage it was in.
         atomic_write_json(folder / f".stage-{name}.json", {"hash": h, "seconds": step["seconds"], "step": step})
         ran.append(step)

@@ -57,6 +57,38 @@ def paired(runs: list[dict] | None, base: list[dict] | None, speed: Callable[[di
 
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """--task, --drafter and --max-tokens, whose defaults follow --model (`fill_workload_defaults`)."""
+    from tlt.bench.forward import _positive_int
+    from tlt.tasks import task_names
+
+    parser.add_argument("--task", choices=task_names(), default=None,
+                        help="the built-in task the prompts come from (default: bench for --model bench, else arithmetic)")
+    parser.add_argument("--drafter", default=None,
+                        help="drafter folder or built-in name (default: bench for --model bench, else default)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=None,
+                        help=f"response budget (default: {MIN_MAX_TOKENS}, or the task's longest solution when longer)")
+
+
+MIN_MAX_TOKENS = 640
+
+
+def fill_workload_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The bench policy answers the bench task with its own drafter, every other model the built-in
+    arithmetic task with the default drafter; the budget truncates no correct solution."""
+    from tlt.bench_model import NAME
+    from tlt.tasks import get_task
+
+    own = str(args.model) == NAME
+    if args.task is None:
+        args.task = NAME if own else "arithmetic"
+    if args.drafter is None:
+        args.drafter = NAME if own else "default"
+    if args.max_tokens is None:
+        args.max_tokens = max(MIN_MAX_TOKENS, get_task(args.task).config.max_solution_tokens)
+    return args
+
+
 def baseline_name(baseline_dtype: str | None, dtype: str) -> str | None:
     """The name of the plain-decoding system `--baseline-dtype` adds (`off_<dtype>`), or None when it
     adds none: not given, or the dtype every other system already runs."""

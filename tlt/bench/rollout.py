@@ -1,6 +1,7 @@
 """Rollout on the long-tail workload: tlt's engine against transformers' generate, side by side.
 
-The workload is one GRPO rollout of the default model on the built-in task: P prompts x G samples at
+The workload is one GRPO rollout of a model (the default one unless `--model`) on a built-in task
+(`--task`; the bench policy's own for `--model bench`): P prompts x G samples at
 temperature 1.0, each response running until its end-of-sequence token. Every system generates for the
 same prompts with the same sampling settings; runs alternate between systems, in an order that rotates
 every repeat, so machine noise hits all of them, and each figure is the median of `--repeats` runs.
@@ -41,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from tlt.bench import baseline_name, comma_list, paired, rotation, tokens_per_s
+from tlt.bench import add_workload_arguments, baseline_name, comma_list, fill_workload_defaults, paired, rotation, tokens_per_s
 from tlt.device import synchronize
 from tlt.model.checkpoint import DTYPE_NAMES
 
@@ -63,13 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=_positive_int, default=16)
     parser.add_argument("--samples", type=_positive_int, default=8)
     parser.add_argument("--temperature", type=_non_negative_float, default=1.0)
-    parser.add_argument("--max-tokens", type=_positive_int, default=640)
     parser.add_argument("--repeats", type=_positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
-    parser.add_argument("--drafter", default="default", help="drafter for speculative systems")
+    add_workload_arguments(parser)
     parser.add_argument("--strategies", default="",
                         help="fixed speculative strategies to run too, e.g. tree-d6-k4-v24,chain-d4,ngram-d4")
     parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
@@ -85,9 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload(args, tokenizer):
-    from tlt.tasks import ArithmeticTask
+    from tlt.tasks import get_task
 
-    problems = ArithmeticTask().sample(args.prompts, seed=args.seed, split="eval")
+    problems = get_task(args.task).sample(args.prompts, seed=args.seed, split="eval")
     return [tokenizer.encode(p.prompt) for p in problems]
 
 
@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.tokenizer import load_tokenizer
 
     arm_sets = [adaptive_arms(text) for text in args.adaptive_arms]  # refused before anything loads
+    fill_workload_defaults(args)
     strategies = fixed_strategies(args.strategies)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -355,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = sorted(results["tlt_off"][0]["lengths"])
     print(f"response lengths (tlt run 1): median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
     last = {name: (_cumulative(runs[-1]["step_s"]), runs[-1]["batch_sizes"]) for name, runs in results.items()}
-    png = live_batch(last, args.plot, f"{args.prompts} prompts x {args.samples} samples, default model")
+    png = live_batch(last, args.plot, f"{args.prompts} prompts x {args.samples} samples, {args.model} model")
     print(f"wrote {png}")
     for name in adaptive:
         rows[name]["tuner"] = results[name][-1]["tuner"]

@@ -1,6 +1,6 @@
 """Speculative decoding by batch size: every strategy against plain decoding, and transformers' assisted generation.
 
-The workload is the built-in task at temperature 1.0: a run at batch b generates `--prompts` distinct
+The workload is a built-in task (`--task`; the bench policy's own for `--model bench`) at temperature 1.0: a run at batch b generates `--prompts` distinct
 eval-split prompts (at least b), one sample each, as consecutive batches of b, every response running
 to its end-of-sequence token, so the live batch of each starts at b and shrinks. Covering several
 prompts keeps a small batch's figure from resting on one short response. For each batch size every strategy (`off` is plain decoding) runs on the same prompts with
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tlt.bench import baseline_name, comma_list, paired, rotation
+from tlt.bench import add_workload_arguments, baseline_name, comma_list, fill_workload_defaults, paired, rotation
 from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
 from tlt.device import synchronize
@@ -49,12 +49,11 @@ ASSISTANT = (f"the target's first {ASSISTANT_LAYERS} decoder layers with its emb
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model folder or built-in name")
-    parser.add_argument("--drafter", default="default", help="drafter folder or 'default'")
+    add_workload_arguments(parser)
     parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 4, 16, 64], metavar="B,B,...")
     parser.add_argument("--strategies", type=comma_list, default=list(STRATEGIES), metavar="S,S,...",
                         help="strategy names; 'off' (plain decoding) is the baseline and must be included")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=_positive_int, default=640)
     parser.add_argument("--repeats", type=_positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="picks the prompts")
     parser.add_argument("--prompts", type=_positive_int, default=8,
@@ -152,6 +151,7 @@ def measure(
     device: str = "cpu",
     dtype: str = "float32",
     baseline_dtype: str | None = None,
+    task: str = "arithmetic",
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> dict[str, Any]:
@@ -166,7 +166,7 @@ def measure(
     from tlt.model import load_model
     from tlt.model.checkpoint import resolve_model_path
     from tlt.speculative import Drafter, Strategy
-    from tlt.tasks import ArithmeticTask
+    from tlt.tasks import get_task
     from tlt.tokenizer import load_tokenizer
 
     strategies = [Strategy.parse(s).name for s in strategies]
@@ -179,7 +179,7 @@ def measure(
     model, tokenizer = load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
     drafter = Drafter.load(drafter_path, model) if needs_drafter else None
-    problems = ArithmeticTask().sample(max(covered(b, prompts_per_run) for b in batch_sizes), seed=seed, split="eval")
+    problems = get_task(task).sample(max(covered(b, prompts_per_run) for b in batch_sizes), seed=seed, split="eval")
     prompts = [tokenizer.encode(p.prompt) for p in problems]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
@@ -238,7 +238,7 @@ def measure(
     rows = make_rows(results, errors, baseline)
     config = {
         "command": shlex.join(command if command is not None else sys.argv),
-        "model": str(model_path), "drafter": str(drafter_path) if needs_drafter else None,
+        "model": str(model_path), "task": task, "drafter": str(drafter_path) if needs_drafter else None,
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
         "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "baseline_dtype": baseline_dtype,
@@ -332,8 +332,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    fill_workload_defaults(args)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
-                     args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype, args.baseline_dtype)
+                     args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype, args.baseline_dtype,
+                     args.task)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size; paired: the median over repeats of "
