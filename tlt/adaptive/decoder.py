@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import time
 
-from tlt.adaptive.tuner import Tuner
-from tlt.speculative.decoder import SpeculativeDecoder
+import torch
+
+from tlt.adaptive.tuner import Tuner, TunerConfig
+from tlt.rollout.config import EngineConfig
+from tlt.rollout.decoding import DecodeResult
+from tlt.rollout.sequence import Sequence
+from tlt.speculative.decoder import SpeculativeDecoder, drafter_for
 from tlt.speculative.strategy import Strategy
 
 
@@ -35,10 +40,22 @@ def draft_tokens(strategy: Strategy) -> int:
 
 
 class AdaptiveDecoder:
+    """A rollout.decoding.Decoder: the tuner picks each step's strategy, `spec` (a SpeculativeDecoder)
+    runs it and keeps the per-row state."""
+
     def __init__(self, spec: SpeculativeDecoder, tuner: Tuner, max_draft_tokens: int = 8192) -> None:
         self.spec, self.tuner, self.max_draft_tokens = spec, tuner, max_draft_tokens
         self.strategies = {name: Strategy.parse(name) for name in tuner.config.arms}
         self.output_layers = spec.output_layers
+        self.drafter = spec.drafter
+
+    @classmethod
+    def from_config(cls, model, config: EngineConfig, log) -> "AdaptiveDecoder":
+        """The decoder of speculative="adaptive"; `log` takes the tuner's reports."""
+        drafter = drafter_for(config.drafter, model)
+        tuner = Tuner(config.tuner or TunerConfig(), log=log)
+        spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window)
+        return cls(spec, tuner, config.max_draft_tokens)
 
     def allowed(self, name: str, batch_size: int) -> bool:
         strategy = self.strategies[name]
@@ -46,10 +63,26 @@ class AdaptiveDecoder:
             return False
         return strategy.kind == "off" or draft_tokens(strategy) * batch_size <= self.max_draft_tokens
 
+    # --- engine hooks: the speculative decoder's, with the tuner choosing the strategy ---------------
+    def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[object]]:
+        return self.spec.start(prompts, samples, history)
+
     def prefill(self, batch, ids, lengths, out, counts) -> None:
         self.spec.prefill(batch, ids, lengths, out, counts)
 
-    def decode(self, batch):
+    def appended(self, seqs: list[Sequence], kept: list[int]) -> None:
+        self.spec.appended(seqs, kept)
+
+    def acceptance_length(self, seq: Sequence) -> float | None:
+        return self.spec.acceptance_length(seq)
+
+    def load_drafter(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the weights, then let the arms that use the drafter compete again where the tuner had
+        pruned them: they were judged with the old one (their rewards fade by its decay)."""
+        self.spec.load_drafter(state)
+        self.tuner.unprune([a for a in self.tuner.config.arms if Strategy.parse(a).uses_drafter])
+
+    def decode(self, batch) -> DecodeResult:
         size = len(batch)
         arm = self.tuner.choose(size, allowed=lambda name: self.allowed(name, size))
         start = time.perf_counter()

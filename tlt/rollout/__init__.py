@@ -1,6 +1,7 @@
 """The rollout engine: continuous batching, group fan-out from one prefill, exact sampling."""
 
-from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.config import EngineConfig
+from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.params import SamplingParams
 from tlt.rollout.sequence import Completion, RequestOutput
 

@@ -1,17 +1,28 @@
 """The live batch: sequences being decoded, row-aligned with the KV cache and per-row tensors.
 
 Row b of every member describes the same sequence: `seqs[b]`, cache row b, `last_tokens[b]` (the most
-recent sampled token, not yet in the cache), the sampling tensors and, under speculative decoding, row
-b of the drafter's state. `select` and `extend` keep them
-aligned, so the engine never indexes one without the others.
+recent sampled token, not yet in the cache), the sampling tensors and row b of the decoder's `state`
+(the speculative decoder's drafter cache and pending pairs; None for plain decoding), which the batch
+only selects and extends. `select` and `extend` keep them aligned, so the engine never indexes one
+without the others.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from tlt.model.kv_cache import KVCache
 from tlt.rollout.sequence import Sequence
+
+
+class BatchState(Protocol):
+    """A decoder's state with one row per live row, kept aligned with the batch."""
+
+    def select(self, rows: torch.Tensor) -> None: ...
+
+    def extend(self, other: "BatchState") -> None: ...
 
 
 class LiveBatch:
@@ -22,7 +33,7 @@ class LiveBatch:
         self.top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
         self.top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
         self.keys = torch.tensor([s.key for s in seqs], dtype=torch.long, device=device)
-        self.draft = None  # the speculative decoder's per-row DraftState, when it keeps one
+        self.state: BatchState | None = None  # the decoder's, when it keeps one (Decoder.prefill sets it)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -42,13 +53,13 @@ class LiveBatch:
         self.cache.select_rows(idx)
         for name in ("last_tokens", "temperature", "top_k", "top_p", "keys"):
             setattr(self, name, getattr(self, name)[idx])
-        if self.draft is not None:
-            self.draft.select(idx)
+        if self.state is not None:
+            self.state.select(idx)
 
     def extend(self, other: "LiveBatch") -> None:
         self.seqs = self.seqs + other.seqs
         self.cache = KVCache.concat([self.cache, other.cache])
         for name in ("last_tokens", "temperature", "top_k", "top_p", "keys"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        if self.draft is not None:
-            self.draft.extend(other.draft)
+        if self.state is not None:
+            self.state.extend(other.state)

@@ -35,14 +35,14 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams field 'stop_token_ids' must be a list of token ids, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
         checks = [
-            ("n", _integer(self.n) and self.n >= 1, "an integer >= 1"),
+            ("n", integral(self.n) and self.n >= 1, "an integer >= 1"),
             ("temperature", _real(self.temperature) and 0 <= self.temperature < math.inf, "a finite number >= 0"),
             ("top_p", _real(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", _integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "-1 (off) or an integer >= 1"),
-            ("max_tokens", _integer(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
-            ("stop_token_ids", all(_integer(t) and t >= 0 for t in self.stop_token_ids), "token ids (integers >= 0)"),
+            ("top_k", integral(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "-1 (off) or an integer >= 1"),
+            ("max_tokens", integral(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
+            ("stop_token_ids", all(integral(t) and t >= 0 for t in self.stop_token_ids), "token ids (integers >= 0)"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
-            ("seed", self.seed is None or (_integer(self.seed) and 0 <= self.seed < 1 << 64), "None or an integer in [0, 2**64)"),
+            ("seed", self.seed is None or (integral(self.seed) and 0 <= self.seed < 1 << 64), "None or an integer in [0, 2**64)"),
             ("return_hidden_states", isinstance(self.return_hidden_states, bool), "true or false"),
         ]
         for name, ok, expected in checks:
@@ -54,7 +54,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
-def _integer(value: object) -> bool:
+def integral(value: object) -> bool:
     """An int (numpy's too), not a bool and not a float that happens to be whole."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

@@ -49,14 +49,7 @@ class Sequence:
     hidden: list[torch.Tensor] = field(default_factory=list)
     layers: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
-    ngram: object | None = None  # the group's drafting index (suffix.SuffixIndex) under speculation
-    history: list[int] = field(default_factory=list)  # prompt + tokens, kept only with `ngram`
-    spec_steps: int = 0  # speculative verification steps this sequence took part in
-    spec_tokens: int = 0  # tokens those steps emitted (acceptance length = spec_tokens / spec_steps)
-
-    def __post_init__(self) -> None:
-        if self.ngram is not None:
-            self.history = self.prompt + self.tokens
+    state: object | None = None  # the decoder's per-row state (Decoder.start), opaque to the engine
 
     @property
     def length(self) -> int:
@@ -80,16 +73,11 @@ class Sequence:
             self.hidden.append(hidden[:kept])
             if layers is not None:
                 self.layers.append(layers[:kept])
-        if self.ngram is not None:
-            old = len(self.history)
-            self.history += self.tokens[len(self.tokens) - kept :]
-            self.ngram.add(self.history, old)
         return kept
 
-    def completion(self, tokenizer=None) -> Completion:
+    def completion(self, tokenizer=None, acceptance_length: float | None = None) -> Completion:
         text = tokenizer.decode(self.tokens) if tokenizer is not None else None
         hidden = torch.cat(self.hidden) if self.hidden else None
         layers = torch.cat(self.layers) if self.layers else None
-        accept = self.spec_tokens / self.spec_steps if self.spec_steps else None
         return Completion(self.index, list(self.tokens), list(self.logprobs), self.finish_reason or "length",
-                          text, hidden, accept, layers)
+                          text, hidden, acceptance_length, layers)

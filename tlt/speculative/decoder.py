@@ -25,22 +25,44 @@ the tree steps; with windows of 16 / 8 / 4, acceptance 4.14 / 4.11 / 3.91 and 0.
 default window is 16. Verification does not depend on the drafter, so the window changes speed only,
 never the output.
 Strategy "off" is plain decoding that still feeds `pending`, the arm the adaptive tuner can pick.
+
+The decoder implements rollout.decoding.Decoder. Its per-row state lives where the engine carries it
+without reading it: each sequence's `RowDraft` (the group's drafting index, the row's text so far and
+its acceptance counters) in `Sequence.state`, and the batch's `DraftState` in `LiveBatch.state`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from tlt.errors import ConfigError
 from tlt.rollout import rng
-from tlt.rollout.engine import DecodeResult, sample_next, stacked_layers
+from tlt.rollout.config import EngineConfig
+from tlt.rollout.decoding import DecodeResult, sample_next, stacked_layers
 from tlt.rollout.sampling import warp_logprobs
+from tlt.rollout.sequence import Sequence
+from tlt.speculative.drafter import Drafter, check_tensors
 from tlt.speculative.strategy import Strategy
-from tlt.speculative.suffix import max_depth_for
+from tlt.speculative.suffix import SuffixAutomaton, SuffixIndex, max_depth_for
 from tlt.speculative.tree import chain_draft, expand, list_draft
 from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
 
 
 MIN_PENDING = 8  # pending slots allocated at least, per row
+
+
+@dataclass
+class RowDraft:
+    """Per sequence: its group's drafting index (shared by the group's rows), the row's text so far
+    (prompt + tokens: one list that only grows, as the index requires) and its verification steps and
+    the tokens they emitted (acceptance length = tokens / steps)."""
+
+    index: SuffixIndex
+    text: list[int] = field(default_factory=list)
+    steps: int = 0
+    tokens: int = 0
 
 
 class DraftState:
@@ -116,7 +138,14 @@ def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], 1)
 
 
+def drafter_for(drafter, model) -> Drafter | None:
+    """EngineConfig.drafter as a Drafter: one given as such, or loaded from a folder or "default"."""
+    return drafter if drafter is None or isinstance(drafter, Drafter) else Drafter.load(drafter, model)
+
+
 class SpeculativeDecoder:
+    tuner = None
+
     def __init__(self, model, drafter=None, strategy: Strategy | None = None,
                  catch_up_window: int | None = None) -> None:
         self.model, self.drafter, self.catch_up_window = model, drafter, catch_up_window
@@ -125,7 +154,43 @@ class SpeculativeDecoder:
             raise ValueError(f"strategy {self.strategy.name} needs a drafter")
         self.output_layers = tuple(drafter.output_layers) if drafter is not None else ()
 
-    # --- engine hooks ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":
+        """The decoder of speculative="on": every step drafts with `config.strategy`."""
+        strategy = config.strategy or Strategy()
+        if isinstance(strategy, str):
+            strategy = Strategy.parse(strategy)
+        return cls(model, drafter_for(config.drafter, model), strategy, config.catch_up_window)
+
+    # --- engine hooks (rollout.decoding.Decoder) ---------------------------------------------------
+    def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[RowDraft]]:
+        """One drafting index per prompt (its earlier responses from `history` in it), shared by its rows;
+        the run's recent responses (`history.window`) in one automaton shared by all."""
+        window = SuffixAutomaton.of(history.window) if history is not None and history.window else None
+        out = []
+        for i, (prompt, n) in enumerate(zip(prompts, samples)):
+            index = SuffixIndex(prompt, history.responses[i] if history is not None else (), window)
+            out.append([RowDraft(index, list(prompt)) for _ in range(n)])
+        return out
+
+    def appended(self, seqs: list[Sequence], kept: list[int]) -> None:
+        for seq, k in zip(seqs, kept):
+            row = seq.state
+            old = len(row.text)
+            row.text += seq.tokens[len(seq.tokens) - k :]
+            row.index.add(row.text, old)
+
+    def acceptance_length(self, seq: Sequence) -> float | None:
+        return seq.state.tokens / seq.state.steps if seq.state.steps else None
+
+    def load_drafter(self, state: dict[str, torch.Tensor]) -> None:
+        if self.drafter is None:
+            raise ConfigError("load_drafter: the engine has no learned drafter (speculative off or n-gram only)")
+        check_tensors(state, self.drafter.state_dict(), "load_drafter")
+        with torch.no_grad():
+            for name, tensor in self.drafter.state_dict().items():
+                tensor.copy_(state[name])
+
     def prefill(self, batch, ids: torch.Tensor, lengths: torch.Tensor, out, counts: torch.Tensor) -> None:
         """Give freshly prefilled rows their draft state: the prompt pairs are consumed once per group
         (then the drafter cache is forked like the target's); the pair of each sample's first token
@@ -143,7 +208,7 @@ class SpeculativeDecoder:
         rows = torch.arange(G, device=ids.device)
         last = feats[rows, lengths - 1].repeat_interleave(counts, 0)  # [N, H]
         pos = (lengths - 1).repeat_interleave(counts, 0)  # [N]
-        batch.draft = DraftState(cache, last[:, None], batch.last_tokens[:, None].clone(),
+        batch.state = DraftState(cache, last[:, None], batch.last_tokens[:, None].clone(),
                                  torch.ones_like(pos), pos)
 
     def decode(self, batch, strategy: Strategy | None = None) -> DecodeResult:
@@ -152,7 +217,7 @@ class SpeculativeDecoder:
             return self._plain(batch)
         names = None  # per row, the source of each draft node (suffix and hybrid drafts)
         if strategy.kind == "ngram":
-            proposals = [s.ngram.propose(s.history, strategy.depth) for s in batch.seqs]
+            proposals = [s.state.index.propose(s.state.text, strategy.depth) for s in batch.seqs]
             draft = chain_draft(batch.last_tokens, proposals)
         elif strategy.kind in ("suffix", "hybrid"):
             draft, names = self._suffix_draft(batch, strategy)
@@ -166,14 +231,14 @@ class SpeculativeDecoder:
 
     def _learned_draft(self, batch, strategy: Strategy):
         f0, logits0 = self._catch_up(batch)
-        return expand(self.drafter, batch.draft.cache, f0, logits0, batch.cache.lengths, strategy, batch)
+        return expand(self.drafter, batch.state.cache, f0, logits0, batch.cache.lengths, strategy, batch)
 
     def _suffix_draft(self, batch, strategy: Strategy):
         """Suffix trees per row (suffix.py); under "hybrid", rows whose match earns a draft no deeper than
         the strategy's depth take the learned drafter's tree instead (one drafter pass for the batch)."""
         hybrid = strategy.kind == "hybrid"
         depth = strategy.verify_tokens if hybrid else strategy.depth
-        trees = [s.ngram.tree(s.history, depth, strategy.verify_tokens) for s in batch.seqs]
+        trees = [s.state.index.tree(s.state.text, depth, strategy.verify_tokens) for s in batch.seqs]
         rows = [(tokens, parents) for tokens, parents, _, _ in trees]
         names = [n for _, _, n, _ in trees]
         short = [b for b, (_, _, _, matched) in enumerate(trees) if max_depth_for(matched, depth) <= strategy.depth]
@@ -197,8 +262,8 @@ class SpeculativeDecoder:
     def _catch_up(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume pending pairs (the last `catch_up_window` of each row); return the drafter's feature
         and logits after each row's last pair."""
-        feats, tokens, positions, valid, counts = batch.draft.take(self.catch_up_window)
-        f_hat, logits = self.drafter(tokens, feats, positions, cache=batch.draft.cache, attention_mask=valid)
+        feats, tokens, positions, valid, counts = batch.state.take(self.catch_up_window)
+        f_hat, logits = self.drafter(tokens, feats, positions, cache=batch.state.cache, attention_mask=valid)
         rows = torch.arange(len(counts), device=counts.device)
         return f_hat[rows, counts - 1], logits[rows, counts - 1]
 
@@ -218,8 +283,8 @@ class SpeculativeDecoder:
         batch.cache.compact(base, keep, torch.tensor([len(v) for v in visited], device=base.device))
         self._feed(batch, out, visited, emitted, base)
         for seq, e in zip(batch.seqs, emitted):
-            seq.spec_steps += 1
-            seq.spec_tokens += len(e)
+            seq.state.steps += 1
+            seq.state.tokens += len(e)
         hidden = layers = None
         if batch.wants_hidden:
             hidden = [out.hidden_states[b, v] for b, v in enumerate(visited)]
@@ -258,7 +323,7 @@ class SpeculativeDecoder:
         nodes = torch.tensor([v + [0] * (K - len(v)) for v in visited], device=base.device)  # [B, K]
         tokens = torch.tensor([e + [0] * (K - len(e)) for e in emitted], device=base.device)  # [B, K]
         picked = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))  # [B, K, H]
-        batch.draft.add(picked, tokens, k, base)
+        batch.state.add(picked, tokens, k, base)
 
 
 def credit_sources(names: list[list[str]], visited: list[list[int]], emitted: list[list[int]]) -> dict:

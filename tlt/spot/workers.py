@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tlt.errors import ConfigError
-from tlt.rollout.engine import acceptance_length
+from tlt.rollout.stats import RolloutStats, acceptance_length
 from tlt.spot.cluster import start_ray
 
 
@@ -219,26 +219,14 @@ def assign(costs: Sequence[float], workers: int) -> list[list[int]]:
 
 
 def merge_stats(parts: Sequence[dict]) -> dict:
-    """One engine-stats dict for a rollout spread over workers: counts add, per-step lists concatenate
-    (worker after worker), wall time is the slowest worker's."""
+    """One engine-stats dict for a rollout spread over workers, from the workers' stats dicts
+    (RolloutStats.merge: counts add, per-step lists concatenate worker after worker, wall time is the
+    slowest worker's) and their drafter swaps summed."""
     parts = [p for p in parts if p]
     if not parts:
         return {}
-    out = {k: sum(p[k] for p in parts) for k in ("steps", "prefill_tokens", "decode_tokens")}
-    out["drafter_swaps"] = sum(p.get("drafter_swaps", 0) for p in parts)
-    for k in ("step_times_s", "batch_sizes", "strategies", "step_tokens"):
-        out[k] = [x for p in parts for x in p[k]]
-    out["wall_time_s"] = max(p["wall_time_s"] for p in parts)
-    out["mean_step_time_s"] = sum(out["step_times_s"]) / max(len(out["step_times_s"]), 1)
-    out["tokens_per_s"] = out["decode_tokens"] / out["wall_time_s"] if out["wall_time_s"] else 0.0
-    out["acceptance_length"] = acceptance_length(out)
-    sources: dict[str, list[int]] = {}
-    for p in parts:
-        for name, counts in p.get("draft_sources", {}).items():
-            total = sources.setdefault(name, [0] * len(counts))
-            total[:] = [a + b for a, b in zip(total, counts)]
-    out["draft_sources"] = sources
-    return out
+    merged = RolloutStats.merge([RolloutStats.from_dict(p) for p in parts])
+    return {**merged.as_dict(), "drafter_swaps": sum(p.get("drafter_swaps", 0) for p in parts)}
 
 
 def rows_by_strategy(stats: dict) -> dict[str, int]:

@@ -1,0 +1,73 @@
+"""The engine's configuration: batch limits, the KV budget, seeding, and which decoder runs (plain,
+speculative with one strategy, or adaptive) with its drafter and tuner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tlt.errors import ConfigError
+from tlt.rollout.params import integral
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_batch_size: live sequences at most; kv_budget_tokens: worst-case cached tokens at most
+    (None: unlimited); cache_block: KV cache capacity granularity; seed: draws seeds for requests
+    without one (None: fresh entropy); progress: None shows a bar when stderr is a terminal.
+    speculative: "off", "on" (every step uses `strategy`, a Strategy or its name such as
+    "tree-d6-k4-v24"; None: Strategy()'s tree-d6-k4-v24) or "adaptive" (a tuner picks each step's
+    strategy by live batch size; tuner: a TunerConfig, max_draft_tokens: the memory guard on draft
+    tokens x live rows); drafter: a Drafter, a drafter folder or "default" (needed by chain and tree
+    strategies). `strategy` is read only with "on" and `tuner` only with "adaptive". A request for more
+    samples than max_batch_size runs in parts (scheduler.py). catch_up_window: a drafting
+    step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
+    the newest (None: all); see SpeculativeDecoder."""
+
+    max_batch_size: int = 256
+    kv_budget_tokens: int | None = None
+    cache_block: int = 64
+    seed: int | None = None
+    progress: bool | None = None
+    speculative: str = "off"
+    strategy: object | None = None
+    drafter: object | None = None
+    tuner: object | None = None
+    max_draft_tokens: int = 8192
+    catch_up_window: int | None = 16
+
+    def __post_init__(self) -> None:
+        if self.speculative not in ("off", "on", "adaptive"):
+            raise ConfigError(f"EngineConfig field 'speculative' must be off, on or adaptive, got {self.speculative!r}")
+        for name in ("max_batch_size", "kv_budget_tokens", "cache_block", "max_draft_tokens"):
+            value = getattr(self, name)
+            if not (name == "kv_budget_tokens" and value is None) and (not integral(value) or value < 1):
+                none = " or None" if name == "kv_budget_tokens" else ""
+                raise ConfigError(f"EngineConfig field {name!r} must be an integer >= 1{none}, got {value!r}")
+        if self.seed is not None and not integral(self.seed):
+            raise ConfigError(f"EngineConfig field 'seed' must be an integer or None, got {self.seed!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ConfigError(f"EngineConfig field 'progress' must be true, false or None, got {self.progress!r}")
+        if self.speculative == "on" and self.drafter is None:
+            from tlt.speculative.strategy import Strategy
+
+            strategy = self.strategy or Strategy()
+            strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+            if strategy.uses_drafter:
+                raise ConfigError(f"EngineConfig field 'strategy' {strategy.name!r} needs a drafter (chain and tree "
+                                  "strategies draft with a learned one): give drafter= (a Drafter, a folder or "
+                                  "'default'), or a model-free strategy such as ngram-d4")
+        window = self.catch_up_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ConfigError(f"EngineConfig field 'catch_up_window' must be an int >= 1 or None, "
+                              f"got {self.catch_up_window!r}")
+
+    @classmethod
+    def named(cls, system: str, drafter: object | None = None, **fields) -> "EngineConfig":
+        """The engine a system name stands for in benchmarks and audits: "off" (plain
+        decoding), "adaptive" (the tuner picks per step, with `drafter`) or a strategy name such as
+        "tree-d4-k2-v8" (speculation on with that one strategy). Other `fields` are passed through."""
+        if system == "off":
+            return cls(**fields)
+        if system == "adaptive":
+            return cls(speculative="adaptive", drafter=drafter, **fields)
+        return cls(speculative="on", strategy=system, drafter=drafter, **fields)
