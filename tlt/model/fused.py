@@ -13,8 +13,12 @@ bytes of weight it streams. Without gradients the layer runs on weights prepared
   - every product runs through `PackedLinear` (tlt/model/packed.py): prepacked oneDNN weights where
     the weight streams from memory (bf16, large float32), MKL's column-major layout otherwise.
 
-On the default model (inside L3) a one-token step takes about half the time of the reference layer's;
-forwards of more than MAX_ROWS tokens take the reference layer, whose separate products are the
+On the default model (inside L3) a one-token step takes about half the time of the reference layer's.
+Fusing cuts calls, not arithmetic: at 9-17 rows the products are bound by their arithmetic, so a
+draft's verification there costs more than a one-token step (about 1.2-1.4x), and speculation gains
+less than on a model whose step streams its weights (tlt/model/packed.py), where a few rows cost what
+one does.
+Forwards of more than MAX_ROWS tokens take the reference layer, whose separate products are the
 faster once the products dominate (the stacked gate|up and the strided q/k slices cost more than
 the calls they save). In float32 the result equals the reference layer up to rounding (about 1e-6:
 the products and the norm multiply in another order); in bf16 the folded weights round once more,
