@@ -124,3 +124,15 @@ def test_sft_under_bf16_autocast_trains_a_tiny_model_and_records_the_preset(tmp_
     recipe = json.loads((tmp_path / "m" / "recipe.json").read_text())
     assert recipe["preset"]["name"] == "bench" and recipe["config"]["autocast"] is True
     assert math.isfinite(recipe["metrics"]["loss"]) and "min left" in lines[-1]
+
+
+def test_e2e_model_option_implies_the_bench_policys_task_drafter_and_budget():
+    from tlt.bench.e2e import model_defaults
+    from tlt.config import build
+    from tlt.rl.config import TrainConfig
+
+    assert model_defaults(None) == [] and model_defaults("some/folder") == ["model=some/folder"]
+    c = build(TrainConfig, None, [*model_defaults("bench"), "max_response_tokens=900"])
+    assert (c.model, c.task, c.drafter, c.max_response_tokens) == ("bench", "bench", "bench", 900)
+    c = build(TrainConfig, None, model_defaults("bench"))
+    assert c.max_response_tokens == get_task("bench").config.max_solution_tokens

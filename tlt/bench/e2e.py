@@ -44,6 +44,8 @@ from tlt.model.checkpoint import DTYPE_NAMES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="RL steps of each run")
+    parser.add_argument("--model", help="the policy (model=); bench also sets the bench policy's task, drafter and "
+                                        "response budget unless key=value gives them")
     parser.add_argument("--config", help="YAML file of TrainConfig fields shared by both runs")
     parser.add_argument("--tlt", default="adaptive", help="speculative mode of the tlt run (adaptive or on)")
     parser.add_argument("--threads", type=int, default=0)
@@ -70,13 +72,26 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     extra = [f"steps={args.steps}"] + ([f"workers={args.workers}"] if args.workers else []) + \
         ([f"drafter={args.drafter}"] if args.drafter else [])
-    base = build(TrainConfig, args.config, [*args.overrides, *extra])
+    base = build(TrainConfig, args.config, [*model_defaults(args.model), *args.overrides, *extra])
     result = compare(base, args.tlt, Path(args.out), runs=tuple(args.runs.split(",")),
                      baseline_dtype=args.baseline_dtype)
     if args.json:
         atomic_write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
+
+
+def model_defaults(model: str | None) -> list[str]:
+    """key=value settings `--model` implies; given key=value overrides come after and win."""
+    from tlt.bench_model import NAME
+    from tlt.tasks import get_task
+
+    if model is None:
+        return []
+    if model != NAME:
+        return [f"model={model}"]
+    budget = get_task(NAME).config.max_solution_tokens
+    return [f"model={NAME}", f"task={NAME}", f"drafter={NAME}", f"max_response_tokens={budget}"]
 
 
 STAGES = ("rollout", "reward", "logprob", "update", "sync", "drafter")  # the timed parts of an RL step
