@@ -36,11 +36,24 @@ def params(long_first: bool = False):
 def pool_of(model_dir, n=2, **spec_fields):
     from tlt.model import load_model
 
-    specs = [WorkerSpec(str(model_dir), seed=0, **{k: (v[w] if k == "fault" else v) for k, v in spec_fields.items()})
+    specs = [WorkerSpec(str(model_dir), seed=0, **{k: (v[w] if k == "step_hook" else v) for k, v in spec_fields.items()})
              for w in range(n)]
     pool = RayPool(specs, log=lambda *_: None)
     pool.load_weights(load_model(model_dir).state_dict(), 0)
     return pool
+
+
+def crash(rollout: int, after_steps: int):
+    """A worker step hook: the worker's first incarnation exits abruptly `after_steps` engine steps into
+    its `rollout`-th rollout (0-based), as a crashed or preempted machine would. Made inside a function
+    so that Ray ships it by value: the workers cannot import the tests."""
+    import os
+
+    def hook(worker, engine) -> None:
+        if worker.spec.incarnation == 0 and worker.rollouts == rollout + 1 and engine.stats()["steps"] >= after_steps:
+            os._exit(17)
+
+    return hook
 
 
 def flat(outputs):
@@ -73,7 +86,7 @@ def test_a_worker_killed_mid_rollout_is_restarted_without_losing_or_duplicating_
     finally:
         clean.close()
     lines = []
-    rollout = PooledRollout(pool_of(model_dir, fault=[{"rollout": 0, "after_steps": 3}, None]), None, log=lines.append)
+    rollout = PooledRollout(pool_of(model_dir, step_hook=[crash(rollout=0, after_steps=3), None]), None, log=lines.append)
     try:
         outputs, stats = rollout.generate(PROMPTS, params(), 0, 0)
         assert flat(outputs) == flat(expected)  # each sample once, exactly as without the crash

@@ -244,11 +244,10 @@ class Transformer(ColumnMajorLinears, OnLMHead, nn.Module):
         tree_mask: torch.Tensor | None = None,
         logit_index: torch.Tensor | None = None,
         output_layers: Sequence[int] = (),
-        inputs_embeds: torch.Tensor | None = None,
     ) -> ModelOutput:
         """logit_index [B, K]: positions whose logits to compute (all when None). output_layers: indices
         of decoder layers whose outputs (before the final norm) are returned in `layer_states`."""
-        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
         B, T = x.shape[:2]
         device = x.device
         if cache is None:

@@ -89,7 +89,6 @@ class TrainConfig:
     drafter_buffer_sample: str | None = None  # module:function, entries -> weights (None: by length)
     drafter_buffer_checkpoint: bool = True  # run checkpoints carry the online buffer: resume trains on the same data
     drafter_hot_swap_every: int = 0  # > 0: the spot trainer's drafter goes into tail workers every N optimizer steps
-    drafter_fault: str | None = None  # drill: "W:K:N" kills worker W N engine steps into its K-th rollout
     # --- loss
     normalize_std: bool = True
     clip_low: float = 0.2
@@ -209,8 +208,6 @@ class TrainConfig:
         from tlt.device import check_device_name
 
         check_device_name(self.device, "field 'device'")
-        if self.drafter_fault is not None:
-            self.fault()
         self.spot()  # validates the drafter-training fields
         self.tuner()  # and the tuner's
         self.history()  # and the history store's
@@ -264,17 +261,6 @@ class TrainConfig:
                                explore=self.tuner_explore)
         except ConfigError as exc:  # name the TrainConfig key, not the TunerConfig one
             raise ConfigError(str(exc).replace("TunerConfig field '", "field 'tuner_")) from None
-
-    def fault(self) -> dict | None:
-        """The drill of `drafter_fault` "W:K:N" as (worker, {"rollout": K, "after_steps": N})."""
-        if self.drafter_fault is None:
-            return None
-        try:
-            w, k, n = (int(x) for x in self.drafter_fault.split(":"))
-        except ValueError:
-            raise ConfigError(f"field 'drafter_fault' must be W:K:N (worker, rollout, engine steps), "
-                              f"got {self.drafter_fault!r}") from None
-        return {"worker": w, "rollout": k, "after_steps": n}
 
     def loss(self):
         from tlt.rl.grpo import LossConfig

@@ -181,11 +181,8 @@ class GRPOTrainer:
         from tlt.spot.workers import RayPool, WorkerSpec
 
         threads = c.worker_threads or max(1, (c.threads or cores) // workers)
-        fault = c.fault()
         specs = [WorkerSpec(c.model, {**engine_fields, "seed": c.seed + w}, drafter, threads, dtype=c.rollout_dtype,
-                            seed=c.seed,
-                            fault={k: v for k, v in fault.items() if k != "worker"}
-                            if fault is not None and fault["worker"] == w else None)
+                            seed=c.seed)
                  for w in range(workers)]
         # On a cluster each worker reserves a CPU so Ray spreads them over machines; on the local cluster
         # threads are set here, and reserving none lets several pools (a benchmark's runs) coexist.

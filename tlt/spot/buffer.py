@@ -124,10 +124,6 @@ class OnlineBuffer:
             self.entries = [e for e in self.entries if e.order not in drop]
         self.evicted += before - len(self.entries)
 
-    def records(self) -> list[tuple[DraftRecord, int]]:
-        """(record, version) of every entry, for shipping the buffer to a spot trainer."""
-        return [(e.record, e.version) for e in self.entries]
-
     def stats(self) -> dict:
         return {"responses": len(self.entries), "pairs": self.pairs, "bytes": self.nbytes,
                 "versions": self.versions, "evicted": self.evicted}

@@ -47,9 +47,9 @@ class WorkerSpec:
     """What a worker builds: `model` (folder or built-in name), `engine` (EngineConfig fields other than
     the drafter), `drafter` (a folder, "default", "random": a fresh one, or None), torch `threads`,
     `device` ("cpu", "cuda" or None: cuda when the worker sees one), the weights' `dtype` (None:
-    float32). `fault` is a drill: {"rollout": k,
-    "after_steps": n} makes the worker's first incarnation exit abruptly n engine steps into its k-th
-    rollout (0-based), as a crashed or preempted machine would."""
+    float32). `step_hook` (None, or a picklable callable) runs with (worker, engine) after every engine
+    step of a rollout, before a drafter offer is taken: the seam a test drills a crash through.
+    `incarnation` counts the restarts that led to this worker."""
 
     model: str
     engine: dict = field(default_factory=dict)
@@ -58,7 +58,7 @@ class WorkerSpec:
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
-    fault: dict | None = None
+    step_hook: Callable | None = None
     incarnation: int = 0
 
 
@@ -85,6 +85,7 @@ class RolloutWorker:
         self._stop_at: dict[int, float] = {}
         self._lock = threading.Lock()
         self._offer: tuple[dict, int] | None = None  # a drafter to swap in at the next engine step
+        self._swaps = 0  # drafters swapped in during the current rollout
 
     def ping(self) -> int:
         return os.getpid()
@@ -110,22 +111,9 @@ class RolloutWorker:
         """(RequestOutputs, engine stats) of one share, drafting from `history` (HistoryDrafts of the share)
         too; hidden states come back as ordinary tensors.
         Between engine steps a drafter offered by the spot trainer (`offer_drafter`) is swapped in."""
-        fault = self.spec.fault
-        armed = fault is not None and self.spec.incarnation == 0 and fault.get("rollout", 0) == self.rollouts
-        limit = int(fault.get("after_steps", 1)) if armed else None
         self.rollouts += 1
-        swaps = 0
-
-        def between_steps(engine) -> None:
-            nonlocal swaps
-            if limit is not None and engine._stats.steps >= limit:
-                os._exit(17)
-            offer, self._offer = self._offer, None
-            if offer is not None:
-                engine.load_drafter(*offer)
-                swaps += 1
-
-        self.engine.step_callback = between_steps
+        self._swaps = 0
+        self.engine.step_callback = self._between_steps
         try:
             self.engine.reset_stats()
             outputs = self.engine.generate(prompts, params, weights_version=weights_version, history=history)
@@ -138,7 +126,15 @@ class RolloutWorker:
                     c.hidden_states = c.hidden_states.clone().cpu()  # out of inference mode, off the device
                 if c.layer_states is not None:
                     c.layer_states = c.layer_states.clone().cpu()
-        return outputs, {**self.engine.stats(), "drafter_swaps": swaps}
+        return outputs, {**self.engine.stats(), "drafter_swaps": self._swaps}
+
+    def _between_steps(self, engine) -> None:
+        if self.spec.step_hook is not None:
+            self.spec.step_hook(self, engine)
+        offer, self._offer = self._offer, None
+        if offer is not None:
+            engine.load_drafter(*offer)
+            self._swaps += 1
 
     def offer_drafter(self, state: dict, version: int) -> None:
         """A newer drafter from the spot trainer, taken between two engine steps of the running rollout
