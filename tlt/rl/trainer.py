@@ -38,25 +38,13 @@ from tlt.rl.episode import Episode, MicroBatch, pack
 from tlt.rl.grpo import group_advantages, zero_variance_groups
 from tlt.rl.update import Diverged, Sample, build_optimizer, token_logprobs, update_policy
 from tlt.speculative.history import HistoryStore
+from tlt.spot.rollout import make_rollout, rollout_layout  # noqa: F401 (rollout_layout: re-exported)
 
 
 def stream_seed(*parts: object) -> int:
     """A 63-bit seed from a tuple of parts, stable across processes (unlike the salted hash())."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
-
-
-def rollout_layout(workers: int, worker_gpus: float, cores: int, gpus: int) -> tuple[int, float]:
-    """(rollout workers, GPUs per Ray worker) for the `workers` and `worker_gpus` fields. workers=0 means
-    one per core, except on a local machine whose trainer runs on CUDA (`gpus` > 0 visible GPUs): then
-    one per GPU, each holding one (a single GPU gives the in-process engine on the trainer's device).
-    Ray hides GPUs from actors that ask for none, so one-per-core workers there would decode on the CPU
-    beside an idle GPU."""
-    if workers:
-        return workers, worker_gpus
-    if gpus:
-        return gpus, worker_gpus or 1.0
-    return cores, worker_gpus
 
 
 class GRPOTrainer:
@@ -95,8 +83,8 @@ class GRPOTrainer:
         self.reward = RewardRunner(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
         self.rollout_backend = self.replicas = None
         try:
-            self.rollout_backend = self._make_rollout()
-            self.engine = getattr(self.rollout_backend, "engine", None)  # the in-process engine (workers=1)
+            self.rollout_backend = make_rollout(c, self.policy, self.tokenizer, self.device, self.run_dir, log)
+            self.engine = self.rollout_backend.engine  # the in-process engine (None on a Ray pool)
             self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
             self.replicas = Replicas(c, self.policy, self.optimizer) if c.trainer_processes > 1 else None
         except BaseException:
@@ -131,67 +119,6 @@ class GRPOTrainer:
             for name in ("drafter_buffer_evict", "drafter_buffer_sample"):
                 if getattr(c, name):
                     import_callable(getattr(c, name), f"field {name!r}")
-
-    def _make_rollout(self):
-        """The in-process engine (workers=1) or a pool of Ray workers, with online drafter training when
-        a learned drafter is in use and `drafter_train` is not off."""
-        import os
-
-        from tlt.model import load_model
-        from tlt.rollout import EngineConfig, RolloutEngine
-        from tlt.spot.rollout import DrafterLearning, LocalRollout, PooledRollout
-
-        c, log = self.config, self.log
-        drafter = c.rollout_drafter()
-        if c.speculative != "off" and c.drafter == "auto" and drafter is None:
-            log(f"drafter=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
-                "(train one with tlt train-drafter and pass drafter=DIR, or drafter=random to learn one "
-                "online from scratch)")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        gpus = torch.cuda.device_count() if self.device.type == "cuda" and c.ray_address is None else 0
-        workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
-        engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
-                             strategy=c.strategy, tuner=c.tuner() if c.speculative == "adaptive" else None,
-                             catch_up_window=c.catch_up_window or None)
-        learning = None
-        if drafter is not None and c.drafter_train != "off":
-            from tlt.speculative.drafter import Drafter, DrafterConfig
-
-            if drafter == "random":
-                drafter_config = DrafterConfig.for_target(self.policy)
-            else:
-                drafter_config = Drafter.load(drafter, self.policy).config
-            root = self.run_dir / "drafter" if self.run_dir is not None else None
-            from tlt.config import import_callable
-
-            policies = {name: import_callable(spec, f"field {name!r}") if spec else None
-                        for name, spec in (("drafter_buffer_evict", c.drafter_buffer_evict),
-                                           ("drafter_buffer_sample", c.drafter_buffer_sample))}
-            learning = DrafterLearning(c.spot(), drafter_config, root, log, evict=policies["drafter_buffer_evict"],
-                                       sample=policies["drafter_buffer_sample"])
-        if workers == 1:
-            model = load_model(c.model, dtype=c.rollout_dtype, device=self.device)
-            if drafter == "random":
-                from tlt.speculative.drafter import Drafter
-
-                drafter = Drafter.from_target(model, seed=c.seed).eval()
-            engine = RolloutEngine(model, self.tokenizer, EngineConfig(**engine_fields, progress=c.progress,
-                                                                       drafter=drafter))
-            return LocalRollout(engine, learning, c.drafter_local_steps)
-        from tlt.spot.workers import RayPool, WorkerSpec
-
-        threads = c.worker_threads or max(1, (c.threads or cores) // workers)
-        specs = [WorkerSpec(c.model, {**engine_fields, "seed": c.seed + w}, drafter, threads, dtype=c.rollout_dtype,
-                            seed=c.seed)
-                 for w in range(workers)]
-        # On a cluster each worker reserves a CPU so Ray spreads them over machines; on the local cluster
-        # threads are set here, and reserving none lets several pools (a benchmark's runs) coexist.
-        pool = RayPool(specs, c.ray_address, cpus_per_worker=1 if c.ray_address else 0,
-                       gpus_per_worker=worker_gpus, log=log)
-        each = f"{threads} thread(s)" + (f", {worker_gpus:g} GPU" if worker_gpus else "")
-        log(f"rollout on {workers} Ray workers ({each} each)"
-            + (f", drafter trained on released workers ({c.drafter_train})" if learning is not None else ""))
-        return PooledRollout(pool, learning, log, swap_every=c.drafter_hot_swap_every)
 
     # --- data ------------------------------------------------------------------------------------------
     def _load_data(self) -> tuple[list[Example], list[Example]]:
@@ -314,24 +241,16 @@ class GRPOTrainer:
                 f"the reward {c.reward!r} failed on every row of {self.reward_failed_steps} consecutive steps "
                 f"(reward_failure_steps={c.reward_failure_steps}); the last failure: {result.failures[-1]}"))
 
-    @property
-    def learning(self):
-        """The rollout backend's online drafter training (None when the drafter does not learn)."""
-        return getattr(self.rollout_backend, "learning", None)
-
     def _drafter_metrics(self, stats: dict, phase: dict) -> dict:
-        """The drafter's side of a step: acceptance of the learned drafter's steps, the spot phase (optimizer
-        steps, seconds, preemption latency, loss) and the workers' time split."""
+        """The drafter's side of a step: acceptance of the learned drafter's steps, the spot phase
+        (DrafterLearning.metrics), the workers' time split and the history store's figures."""
         from tlt.spot.workers import acceptance_by_strategy, drafter_acceptance, rows_by_strategy
 
-        learning = self.learning
+        learning = self.rollout_backend.learning
         out = {"drafter_acceptance_length": drafter_acceptance(stats),
                "acceptance_by_strategy": acceptance_by_strategy(stats), "rows_by_strategy": rows_by_strategy(stats)}
         if learning is not None:
-            out.update(drafter_version=learning.version, drafter_phase_steps=phase.get("steps", 0),
-                       drafter_phase_s=phase.get("seconds", 0.0), drafter_stop_latency_s=phase.get("stop_latency_s"),
-                       drafter_top1=phase.get("loss_top1"), drafter_buffer_pairs=learning.buffer.pairs,
-                       drafter_buffer_bytes=learning.buffer.nbytes)
+            out.update(learning.metrics(phase))
         if "workers" in stats:
             out["workers"] = stats["workers"]
         if stats.get("draft_sources"):
@@ -491,7 +410,7 @@ class GRPOTrainer:
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        learning = self.learning
+        learning = self.rollout_backend.learning
         return {"step": self.step, "data_position": self.step * self.config.prompts_per_step,
                 "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
@@ -502,7 +421,7 @@ class GRPOTrainer:
         """Continue from a checkpoint read by `tlt.rl.checkpoint.read_checkpoint`. What can still fail
         (the policy's names and shapes, the online buffer's files, the tuner state's fields) is checked
         first, so after a CheckpointError the caller can restore an older checkpoint over it."""
-        learning = self.learning
+        learning = self.rollout_backend.learning
         own = self.policy.state_dict()
         tied = self.policy.config.tie_word_embeddings
         missing = [k for k in own if k not in saved.policy and not (tied and k == "lm_head.weight")]
@@ -539,24 +458,18 @@ class GRPOTrainer:
                 self.log(f"{saved.folder / 'drafter'}: the run is resumed without drafter training; "
                          "its trained drafter is not loaded")
             else:
-                learning.state = saved.drafter
-                if self.engine is not None:
-                    self.engine.load_drafter(learning.state["drafter"], learning.version)
+                self.rollout_backend.restore_drafter(saved.drafter)
         self.step = int(state["step"])
         self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
 
     def drafter_snapshot(self):
         """The drafter trainer's newest state as something `save_checkpoint` can save (None: none yet)."""
-        from tlt.spot.trainer import StateSnapshot
-
-        learning = self.learning
-        if learning is None or learning.state is None:
-            return None
-        return StateSnapshot(learning.state, learning.drafter_config, {"rl_step": self.step})
+        learning = self.rollout_backend.learning
+        return learning.snapshot(self.step) if learning is not None else None
 
     def drafter_buffer(self):
         """The online buffer to save with a checkpoint (None: no drafter training, or not asked)."""
-        learning = self.learning
+        learning = self.rollout_backend.learning
         return learning.buffer if learning is not None and self.config.drafter_buffer_checkpoint else None
 
     def rollout_state(self) -> dict:

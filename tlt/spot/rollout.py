@@ -1,6 +1,7 @@
 """Rollout with an adaptive drafter: the GRPO trainer's single entry point for generating a step.
 
-`make_rollout` picks the backend from the config:
+`RolloutBackend` is everything the trainer calls on the rollout side; `make_rollout` builds one from
+the run's config (the drafter resolved, the online drafter training set up, workers counted):
   - `LocalRollout`: the in-process engine (one worker). With no second worker there is no idle time
     to train in, so a due drafter phase runs after the rollout for `local_steps` optimizer steps and is
     counted in the step's drafter time: the honest cost of training on the critical path.
@@ -14,8 +15,10 @@ of every rollout, every worker holds the newest drafter.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from tlt.errors import ConfigError
 from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
@@ -23,6 +26,8 @@ from tlt.spot.coordinator import Coordinator
 from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, run_phase
 from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
 
+if TYPE_CHECKING:
+    from tlt.rl.config import TrainConfig
 
 STOP_TIMEOUT_S = 120.0  # a stopped spot trainer returns within part of one optimizer step; this only catches a hang
 
@@ -79,9 +84,61 @@ class DrafterLearning:
         if self.checkpointer is not None:
             self.checkpointer.save_async(state, self.drafter_config, {"rl_step": step})
 
+    def metrics(self, phase: dict) -> dict:
+        """The step's drafter figures: version, the spot phase (optimizer steps, seconds, preemption
+        latency, loss) and the buffer's size."""
+        return {"drafter_version": self.version, "drafter_phase_steps": phase.get("steps", 0),
+                "drafter_phase_s": phase.get("seconds", 0.0), "drafter_stop_latency_s": phase.get("stop_latency_s"),
+                "drafter_top1": phase.get("loss_top1"), "drafter_buffer_pairs": self.buffer.pairs,
+                "drafter_buffer_bytes": self.buffer.nbytes}
+
+    def snapshot(self, step: int):
+        """The newest trainer state as something a run checkpoint can save (None: no phase stepped yet)."""
+        from tlt.spot.trainer import StateSnapshot
+
+        return StateSnapshot(self.state, self.drafter_config, {"rl_step": step}) if self.state is not None else None
+
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.wait()
+
+
+class RolloutBackend(Protocol):
+    """What the GRPO trainer calls on the rollout side, in-process (`LocalRollout`) or on a Ray pool
+    (`PooledRollout`). `engine` is the in-process engine (None on a pool); `learning` the online
+    drafter training (None when the drafter does not learn)."""
+
+    workers: int
+    engine: object | None
+    learning: DrafterLearning | None
+
+    def load_weights(self, state: dict, version: int) -> None:
+        """Every engine takes the policy weights `state` as version `version`."""
+        ...
+
+    def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True,
+                 history=None) -> tuple[list, dict]:
+        """The outputs of `prompts` (in order) and the rollout's stats dict."""
+        ...
+
+    def finish_step(self, step: int) -> dict:
+        """After the update: the step's drafter phase report ({} when none ran)."""
+        ...
+
+    def restore_drafter(self, state: dict) -> None:
+        """A saved drafter trainer state (SpotTrainer.state_dict()) becomes `learning`'s newest, and its
+        drafter the engines' (in-process at once, on a pool at the next rollout)."""
+        ...
+
+    def state(self) -> dict:
+        """The rollout side's checkpoint state: {"tuners": one tuner state (or None) per worker}."""
+        ...
+
+    def load_state(self, state: dict) -> None:
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 def wants_hidden(params: Sequence, learning: DrafterLearning | None) -> list:
@@ -100,6 +157,10 @@ class LocalRollout:
 
     def load_weights(self, state: dict, version: int) -> None:
         self.engine.load_weights(state, version)
+
+    def restore_drafter(self, state: dict) -> None:
+        self.learning.state = state
+        self.engine.load_drafter(state["drafter"], self.learning.version)
 
     def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True, history=None):
         """The step's outputs and engine stats; with `learn`, their features go to the drafter's buffer.
@@ -145,6 +206,8 @@ class LocalRollout:
 
 
 class PooledRollout:
+    engine = None  # no engine in this process
+
     def __init__(self, pool, learning: DrafterLearning | None, log: Callable[[str], None] = print,
                  swap_every: int = 0) -> None:
         self.pool, self.learning, self.log = pool, learning, log
@@ -158,6 +221,9 @@ class PooledRollout:
 
     def load_weights(self, state: dict, version: int) -> None:
         self.pool.load_weights(state, version)
+
+    def restore_drafter(self, state: dict) -> None:
+        self.learning.state = state  # every worker takes it at the start of the next rollout
 
     def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True, history=None):
         """The step's outputs (in prompt order) and merged stats; with `learn`, released workers train.
@@ -268,3 +334,72 @@ class PooledRollout:
         if self.learning is not None:
             self.learning.close()
         self.pool.close()
+
+
+def rollout_layout(workers: int, worker_gpus: float, cores: int, gpus: int) -> tuple[int, float]:
+    """(rollout workers, GPUs per Ray worker) for the `workers` and `worker_gpus` fields. workers=0 means
+    one per core, except on a local machine whose trainer runs on CUDA (`gpus` > 0 visible GPUs): then
+    one per GPU, each holding one (a single GPU gives the in-process engine on the trainer's device).
+    Ray hides GPUs from actors that ask for none, so one-per-core workers there would decode on the CPU
+    beside an idle GPU."""
+    if workers:
+        return workers, worker_gpus
+    if gpus:
+        return gpus, worker_gpus or 1.0
+    return cores, worker_gpus
+
+
+def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path | None = None,
+                 log: Callable[[str], None] = print) -> RolloutBackend:
+    """The in-process engine (one worker) or a pool of Ray workers for a GRPO run of `config`, with
+    online drafter training when a learned drafter is in use and `drafter_train` is not off. `policy`
+    (the trainer's model, on `device`) sizes a fresh drafter; drafter checkpoints go under `run_dir`."""
+    import torch
+
+    from tlt.model import load_model
+    from tlt.rollout import EngineConfig, RolloutEngine
+
+    c = config
+    drafter = c.rollout_drafter()
+    if c.speculative != "off" and c.drafter == "auto" and drafter is None:
+        log(f"drafter=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
+            "(train one with tlt train-drafter and pass drafter=DIR, or drafter=random to learn one "
+            "online from scratch)")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gpus = torch.cuda.device_count() if device.type == "cuda" and c.ray_address is None else 0
+    workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
+    engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
+                         strategy=c.strategy, tuner=c.tuner() if c.speculative == "adaptive" else None,
+                         catch_up_window=c.catch_up_window or None)
+    learning = None
+    if drafter is not None and c.drafter_train != "off":
+        from tlt.config import import_callable
+        from tlt.speculative.drafter import Drafter, DrafterConfig
+
+        drafter_config = DrafterConfig.for_target(policy) if drafter == "random" else Drafter.load(drafter, policy).config
+        policies = {name: import_callable(spec, f"field {name!r}") if spec else None
+                    for name, spec in (("drafter_buffer_evict", c.drafter_buffer_evict),
+                                       ("drafter_buffer_sample", c.drafter_buffer_sample))}
+        learning = DrafterLearning(c.spot(), drafter_config, Path(run_dir) / "drafter" if run_dir is not None else None,
+                                   log, evict=policies["drafter_buffer_evict"], sample=policies["drafter_buffer_sample"])
+    if workers == 1:
+        model = load_model(c.model, dtype=c.rollout_dtype, device=device)
+        if drafter == "random":
+            from tlt.speculative.drafter import Drafter
+
+            drafter = Drafter.from_target(model, seed=c.seed).eval()
+        engine = RolloutEngine(model, tokenizer, EngineConfig(**engine_fields, progress=c.progress, drafter=drafter))
+        return LocalRollout(engine, learning, c.drafter_local_steps)
+    from tlt.spot.workers import RayPool, WorkerSpec
+
+    threads = c.worker_threads or max(1, (c.threads or cores) // workers)
+    specs = [WorkerSpec(c.model, {**engine_fields, "seed": c.seed + w}, drafter, threads, dtype=c.rollout_dtype,
+                        seed=c.seed) for w in range(workers)]
+    # On a cluster each worker reserves a CPU so Ray spreads them over machines; on the local cluster
+    # threads are set here, and reserving none lets several pools (a benchmark's runs) coexist.
+    pool = RayPool(specs, c.ray_address, cpus_per_worker=1 if c.ray_address else 0,
+                   gpus_per_worker=worker_gpus, log=log)
+    each = f"{threads} thread(s)" + (f", {worker_gpus:g} GPU" if worker_gpus else "")
+    log(f"rollout on {workers} Ray workers ({each} each)"
+        + (f", drafter trained on released workers ({c.drafter_train})" if learning is not None else ""))
+    return PooledRollout(pool, learning, log, swap_every=c.drafter_hot_swap_every)
