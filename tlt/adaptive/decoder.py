@@ -30,15 +30,6 @@ from tlt.speculative.decoder import SpeculativeDecoder, drafter_for
 from tlt.speculative.strategy import Strategy
 
 
-def draft_tokens(strategy: Strategy) -> int:
-    """Tokens one row sends through verification under `strategy` (root included)."""
-    if strategy.kind == "off":
-        return 1
-    if strategy.kind in ("tree", "suffix", "hybrid"):
-        return 1 + strategy.verify_tokens
-    return 1 + strategy.depth
-
-
 class AdaptiveDecoder:
     """A rollout.decoding.Decoder: the tuner picks each step's strategy, `spec` (a SpeculativeDecoder)
     runs it and keeps the per-row state."""
@@ -61,7 +52,7 @@ class AdaptiveDecoder:
         strategy = self.strategies[name]
         if strategy.uses_drafter and self.spec.drafter is None:
             return False
-        return strategy.kind == "off" or draft_tokens(strategy) * batch_size <= self.max_draft_tokens
+        return strategy.kind == "off" or strategy.draft_tokens * batch_size <= self.max_draft_tokens
 
     # --- engine hooks: the speculative decoder's, with the tuner choosing the strategy ---------------
     def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[object]]:
@@ -80,7 +71,7 @@ class AdaptiveDecoder:
         """Load the weights, then let the arms that use the drafter compete again where the tuner had
         pruned them: they were judged with the old one (their rewards fade by its decay)."""
         self.spec.load_drafter(state)
-        self.tuner.unprune([a for a in self.tuner.config.arms if Strategy.parse(a).uses_drafter])
+        self.tuner.unprune([name for name, strategy in self.strategies.items() if strategy.uses_drafter])
 
     def decode(self, batch) -> DecodeResult:
         size = len(batch)

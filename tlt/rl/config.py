@@ -246,7 +246,7 @@ class TrainConfig:
         if self.speculative == "off" or not self.history_responses:
             return None
         names = self.tuner_arms if self.speculative == "adaptive" else (self.strategy,)
-        if not any(Strategy.parse(name).kind in ("suffix", "hybrid") for name in names):
+        if not any(Strategy.parse(name).uses_history for name in names):
             return None
         if not isinstance(self.history_mb, int) or self.history_mb < 1:
             raise ConfigError(f"field 'history_mb' must be an integer >= 1, got {self.history_mb!r}")

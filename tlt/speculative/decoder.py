@@ -157,10 +157,7 @@ class SpeculativeDecoder:
     @classmethod
     def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":
         """The decoder of speculative="on": every step drafts with `config.strategy`."""
-        strategy = config.strategy or Strategy()
-        if isinstance(strategy, str):
-            strategy = Strategy.parse(strategy)
-        return cls(model, drafter_for(config.drafter, model), strategy, config.catch_up_window)
+        return cls(model, drafter_for(config.drafter, model), Strategy.of(config.strategy), config.catch_up_window)
 
     # --- engine hooks (rollout.decoding.Decoder) ---------------------------------------------------
     def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[RowDraft]]:
@@ -219,7 +216,7 @@ class SpeculativeDecoder:
         if strategy.kind == "ngram":
             proposals = [s.state.index.propose(s.state.text, strategy.depth) for s in batch.seqs]
             draft = chain_draft(batch.last_tokens, proposals)
-        elif strategy.kind in ("suffix", "hybrid"):
+        elif strategy.uses_history:
             draft, names = self._suffix_draft(batch, strategy)
         else:
             draft = self._learned_draft(batch, strategy)
@@ -243,7 +240,7 @@ class SpeculativeDecoder:
         names = [n for _, _, n, _ in trees]
         short = [b for b, (_, _, _, matched) in enumerate(trees) if max_depth_for(matched, depth) <= strategy.depth]
         if hybrid and short:
-            learned = self._learned_draft(batch, Strategy("tree", strategy.depth, strategy.topk, strategy.verify_tokens))
+            learned = self._learned_draft(batch, strategy.learned_tree)
             tokens, parents = learned.tokens[:, 1:].tolist(), learned.parents[:, 1:].tolist()
             for b in short:
                 rows[b] = (tokens[b], parents[b])

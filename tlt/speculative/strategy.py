@@ -42,6 +42,26 @@ class Strategy:
         return self.kind in ("chain", "tree", "hybrid")
 
     @property
+    def uses_history(self) -> bool:
+        """Drafts from the suffix drafter's index, which earlier responses to the prompt extend."""
+        return self.kind in ("suffix", "hybrid")
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens one row sends through verification (the root included)."""
+        if self.kind == "off":
+            return 1
+        if self.kind in ("tree", "suffix", "hybrid"):
+            return 1 + self.verify_tokens
+        return 1 + self.depth
+
+    @property
+    def learned_tree(self) -> "Strategy":
+        """The learned drafter's tree of the same depth, branching and size (what a hybrid row falls
+        back to where its suffix match is short)."""
+        return Strategy("tree", self.depth, self.topk, self.verify_tokens)
+
+    @property
     def target_only(self) -> bool:
         """Verified with plain sampling's own uniform at every position (verify.walk): the samples do not
         depend on the drafts, so runs with different drafters draw the same responses."""
@@ -56,6 +76,13 @@ class Strategy:
         if self.kind == "suffix":
             return f"suffix-d{self.depth}-v{self.verify_tokens}"
         return f"{self.kind}-d{self.depth}"
+
+    @classmethod
+    def of(cls, value: "Strategy | str | None") -> "Strategy":
+        """A Strategy given as such or by its name (None or empty: the default one), as configs hold it."""
+        if not value:
+            return cls()
+        return cls.parse(value) if isinstance(value, str) else value
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
