@@ -245,3 +245,17 @@ def test_sft_config_refuses_values_the_optimizer_would_fail_on_later(field, valu
 
     with pytest.raises(ConfigError, match=f"field '{field}'"):
         build(SFTConfig, None, [f"{field}={value}"])
+
+
+def test_resume_reads_run_folders_that_hold_a_retired_setting(tmp_path):
+    from tlt.config import to_dict
+    from tlt.rl.run import resume_config
+
+    saved = {**to_dict(TrainConfig(steps=3)), "drafter_fault": None}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert resume_config(tmp_path, ["steps=5"]).steps == 5
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "drafter_fault": "0:1:3"}))
+    with pytest.raises(ConfigError, match="drafter_fault"):
+        resume_config(tmp_path)
+    with pytest.raises(ConfigError, match="not a run directory"):
+        resume_config(tmp_path / "nope")
