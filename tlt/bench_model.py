@@ -35,8 +35,8 @@ from tlt.errors import CheckpointError
 
 NAME = "bench"
 STAMP = "bench_recipe.json"
-# Commands run in order; {out} is the cache folder. Sized to about 30 minutes (policy) and 10-15 minutes
-# (drafter) on 2 cores.
+# Commands run in order; {out} is the cache folder. About 30 minutes each on 2 cores (the drafter's mostly
+# collecting the policy's responses).
 COMMANDS = (
     ("policy", ["sft", "--preset", "bench", "--out", "{out}"]),
     ("drafter", ["train-drafter", "--model", "{out}", "--out", "{out}/drafter", "--task", "bench",
@@ -109,7 +109,7 @@ def built_folder(what: str = "model") -> Path:
         why = f"was built from another recipe (hash {s.get('hash')}, current {recipe_hash(recipe())})"
     else:
         return folder
-    raise CheckpointError(f"the bench {what} at {folder} {why}: run `make bench-model` (about 50 minutes on 2 cores; "
+    raise CheckpointError(f"the bench {what} at {folder} {why}: run `make bench-model` (about 1-1.5 hours on 2 cores; "
                           f"TLT_CACHE sets the cache folder)")
 
 
