@@ -45,6 +45,14 @@ COMMANDS = (
 )
 
 
+def workload() -> dict[str, str | int]:
+    """What a bench of the bench policy runs by default: its task, its drafter and, as response budget,
+    the task's longest solution."""
+    from tlt.tasks import get_task
+
+    return {"task": NAME, "drafter": NAME, "max_tokens": get_task(NAME).config.max_solution_tokens}
+
+
 def cache_root() -> Path:
     """$TLT_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tlt."""
     if os.environ.get("TLT_CACHE"):

@@ -76,14 +76,13 @@ MIN_MAX_TOKENS = 640
 def fill_workload_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """The bench policy answers the bench task with its own drafter, every other model the built-in
     arithmetic task with the default drafter; the budget truncates no correct solution."""
-    from tlt.bench_model import NAME
+    from tlt.bench_model import NAME, workload
     from tlt.tasks import get_task
 
-    own = str(args.model) == NAME
-    if args.task is None:
-        args.task = NAME if own else "arithmetic"
-    if args.drafter is None:
-        args.drafter = NAME if own else "default"
+    own = workload() if str(args.model) == NAME else {"task": "arithmetic", "drafter": "default"}
+    for key in ("task", "drafter"):
+        if getattr(args, key) is None:
+            setattr(args, key, own[key])
     if args.max_tokens is None:
         args.max_tokens = max(MIN_MAX_TOKENS, get_task(args.task).config.max_solution_tokens)
     return args

@@ -83,15 +83,14 @@ def run(args: argparse.Namespace) -> int:
 
 def model_defaults(model: str | None) -> list[str]:
     """key=value settings `--model` implies; given key=value overrides come after and win."""
-    from tlt.bench_model import NAME
-    from tlt.tasks import get_task
+    from tlt.bench_model import NAME, workload
 
     if model is None:
         return []
     if model != NAME:
         return [f"model={model}"]
-    budget = get_task(NAME).config.max_solution_tokens
-    return [f"model={NAME}", f"task={NAME}", f"drafter={NAME}", f"max_response_tokens={budget}"]
+    w = workload()
+    return [f"model={NAME}", f"task={w['task']}", f"drafter={w['drafter']}", f"max_response_tokens={w['max_tokens']}"]
 
 
 STAGES = ("rollout", "reward", "logprob", "update", "sync", "drafter")  # the timed parts of an RL step
