@@ -6,13 +6,15 @@ import pytest
 import torch
 
 import tlt.model.packed as packed
+from tlt.model import cpu_kernels
 from tlt.model.fused import fused_layer_step, uses_fused_step
 from tlt.model.transformer import attention_mask_for
 
-# How the products of the tiny test models run: as the default model's (column-major MKL weights),
-# on weights prepacked for oneDNN (forced: the tiny weights are below PACK_MIN_BYTES), and as on a CPU
-# build without oneDNN.
-PACKINGS = {"column-major": {}, "packed": {"PACK_MIN_BYTES": 0}, "no oneDNN": {"ONEDNN": False, "PACK_MIN_BYTES": 0}}
+# How the products of the tiny test models run: as the default model's (column-major MKL weights in
+# float32, tlt's bf16 kernel in bf16), on weights prepacked for oneDNN (forced: the tiny weights are
+# below PACK_MIN_BYTES; bf16 without the kernel), and as on a CPU build without oneDNN or the kernel.
+PACKINGS = {"column-major": {}, "packed": {"PACK_MIN_BYTES": 0, "KERNELS": False},
+            "no oneDNN": {"ONEDNN": False, "PACK_MIN_BYTES": 0, "KERNELS": False}}
 
 
 @pytest.fixture(params=PACKINGS)
@@ -123,7 +125,9 @@ def test_bf16_fused_step_within_bf16_rounding_of_float32(tiny_model, packing):
         cache = half.new_cache(2)
         prefill = half(ids[:, :8], cache=cache).logits
         rest = half(ids[:, 8:], cache=cache).logits  # 4 new tokens after 8 cached ones
-    assert half.model.layers[0].fused_weights().qkv.packed == (packing != "no oneDNN")
+    qkv = half.model.layers[0].fused_weights().qkv
+    assert qkv.packed == (packing != "no oneDNN")
+    assert (qkv.kernels is not None) == (packing == "column-major" and cpu_kernels.kernels() is not None)
     assert cache.dtype == torch.float32  # bf16 keys and values are cached in float32 on the CPU
     got = torch.cat([prefill, rest], 1).float()
     assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
@@ -204,18 +208,21 @@ def test_a_deep_copy_prepares_weights_from_its_own_parameters(tiny_model, packin
     assert torch.equal(no_grad_logits(model, ids), before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_rows_do_not_depend_on_how_many_rows_are_multiplied(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,kernels", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_packed_rows_do_not_depend_on_how_many_rows_are_multiplied(dtype, kernels, monkeypatch):
     """In bf16 a verification forward's row equals the one-token step's bit for bit (the greedy and
     seeded equality of bf16 speculative and plain decoding rest on it), whatever kernel oneDNN picks
     for the row count, the single row's padding included; in float32 oneDNN's kernels for different row
     counts round differently, within float32 rounding. 3-D inputs take the same 2-D path."""
     if not packed.ONEDNN:
         pytest.skip("this PyTorch build has no oneDNN")
+    if kernels and cpu_kernels.kernels() is None:
+        pytest.skip("tlt's bf16 CPU kernels do not run here")
     monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(packed, "KERNELS", kernels)
     gen = torch.Generator().manual_seed(0)
     linear = packed.PackedLinear(torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype))
-    assert linear.packed
+    assert linear.packed and (linear.kernels is not None) == kernels
     x, residual = torch.randn(17, 64, generator=gen).to(dtype), torch.randn(17, 96, generator=gen).to(dtype)
     same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     for m in (1, 4, 9, 17):

@@ -7,7 +7,9 @@ project's 2-core EPYC, [M, 1024] x [1024, 4096] in float32 costs 3-4x more at M 
 and bf16 through `F.linear` runs at half the bandwidth. Weights reordered once into oneDNN's blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`, multiplied by `_linear_pointwise`) cost about the same
 for M = 1..17 in bf16. Their one-row bf16 kernel streams 10-16 GB/s where a plain sum reads 27-39 GB/s,
-so the kernel, not the memory, bounds a one-token step (`tlt bench roofline` measures both).
+so the kernel, not the memory, bounds a one-token step (`tlt bench roofline` measures both). bf16
+weights therefore take tlt's own kernel (tlt/model/cpu_kernels.py: 25-30 GB/s at one row, as fast as
+oneDNN or faster up to 512 rows) where it runs, and oneDNN's otherwise.
 
 Packing has a fixed cost of 10-20 us a call, so it pays only where the weight streams from memory:
 `should_pack` packs every bf16 weight (plain bf16 products are slower at every size measured) and float32
@@ -24,11 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tlt.model import cpu_kernels
 from tlt.model.layout import laid_out
 
 PACK_MIN_BYTES = 1 << 20  # float32 weights smaller than this stay in MKL's column-major layout
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-ONE_ROW_PAD = 4  # rows a single bf16 row is multiplied as (`PackedLinear._padded`)
+ONE_ROW_PAD = 4  # rows a single bf16 row is multiplied as on oneDNN (`PackedLinear._padded`)
+KERNELS = True  # bf16 products on tlt's kernel where it runs (tests turn it off to take oneDNN's path)
 
 
 def _probe_onednn() -> bool:
@@ -51,6 +55,14 @@ def should_pack(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.float32 or weight.numel() * weight.element_size() >= PACK_MIN_BYTES
 
 
+def kernels_for(weight: torch.Tensor):
+    """tlt's bf16 kernels (cpu_kernels) for products with `weight` [out, in], or None: they take bf16 CPU
+    weights of an even input size."""
+    if not KERNELS or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        return None
+    return cpu_kernels.kernels()
+
+
 class PackedLinear:
     """x @ weight^T + bias for inference, on a weight prepacked once when `should_pack` says it pays.
     A packed weight is a copy, a plain one may be a view of the parameter: either way the owner rebuilds
@@ -59,8 +71,12 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight, bias = weight.detach(), None if bias is None else bias.detach()
         self.out_features, self.in_features = weight.shape
-        self.packed = should_pack(weight)
-        if self.packed:
+        self.kernels = kernels_for(weight)
+        self.packed = self.kernels is not None or should_pack(weight)
+        if self.kernels is not None:
+            self.weight, self.weight_t = cpu_kernels.pack(weight), None
+            bias = None if bias is None else bias.float().contiguous()
+        elif self.packed:
             # The batch-size hint only picks the reorder's blocking; 1 serves decode rows best.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
             self.weight_t = None
@@ -71,6 +87,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if self.kernels is not None:
+            rows = _rows(x.reshape(-1, self.in_features))
+            out = self.kernels.linear(rows, self.weight, self.out_features, self.bias, None)
+            return out.view(*x.shape[:-1], self.out_features)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)  # always 2-D: one oneDNN primitive kind, row results independent of M
@@ -80,6 +100,8 @@ class PackedLinear:
     def add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight^T (+ bias), both 2-D: residual [N, out], x [N, in]; the sum is formed
         inside the product."""
+        if self.kernels is not None:
+            return self.kernels.linear(_rows(x), self.weight, self.out_features, self.bias, _rows(residual))
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(self._padded(x), self._padded(residual), self.weight, self.bias, "add")
             return out[: x.shape[0]]
@@ -93,6 +115,11 @@ class PackedLinear:
         if rows.shape[0] == 1 and rows.dtype == torch.bfloat16:
             return rows.expand(ONE_ROW_PAD, -1).contiguous()
         return rows
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, C] with contiguous rows, as the kernels read it."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class Prepared:

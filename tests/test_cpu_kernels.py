@@ -1,0 +1,105 @@
+"""tlt's bf16 CPU kernels (tlt/model/cpu_kernels.py): products and rms norm against float32 references,
+rows independent of the row count, and the oneDNN path taken, with a warning, where they cannot run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tlt.model.packed as packed
+from tlt.model import cpu_kernels
+
+kernels = cpu_kernels.kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="tlt's bf16 CPU kernels do not run on this machine")
+
+
+def bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@needs_kernels
+@pytest.mark.parametrize("M,K,N", [(1, 64, 64), (5, 48, 100), (6, 128, 130), (7, 96, 1), (49, 64, 200), (100, 32, 64)])
+def test_linear_matches_float32_and_rows_do_not_depend_on_the_row_count(M, K, N):
+    """Shapes around the kernel's blocks (6 rows per register block, 48 rows per task, 64 columns per
+    weight group): within bf16 rounding of the float32 product, and every row bit for bit the same
+    whether multiplied alone or with the others."""
+    x, w, residual = bf16(M, K, seed=1), bf16(N, K, seed=2), bf16(M, N, seed=3)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(4))
+    weight = cpu_kernels.pack(w)
+    assert weight.shape == (-(-N // 64), K // 2, 64, 2)
+    out = kernels.linear(x, weight, N, bias, residual)
+    exact = x.float() @ w.float().t() + bias + residual.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert (out.float() - exact).abs().max() <= 0.01 * exact.abs().max()
+    for i in {0, M // 2, M - 1}:
+        assert torch.equal(kernels.linear(x[i : i + 1], weight, N, bias, residual[i : i + 1])[0], out[i])
+    plain = kernels.linear(x, weight, N, None, None)
+    assert (plain.float() - x.float() @ w.float().t()).abs().max() <= 0.01 * exact.abs().max()
+
+
+@needs_kernels
+def test_linear_refuses_mismatched_inputs():
+    weight = cpu_kernels.pack(bf16(64, 32))
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.linear(bf16(2, 30), weight, 64, None, None)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        kernels.linear(bf16(2, 32), weight, 65, None, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.linear(bf16(2, 32), weight, 64, bf16(64), None)
+    with pytest.raises(RuntimeError, match="residual"):
+        kernels.linear(bf16(2, 32), weight, 64, None, bf16(3, 64))
+
+
+@needs_kernels
+def test_rms_norm_matches_float32_on_strided_heads():
+    """The per-head q/k norm reads a slice of the stacked q|k|v output (rows of D contiguous, heads
+    strided) with one weight per head; the hidden-state norm has no weight."""
+    qkv = bf16(3, 7, 48, seed=5)
+    heads = qkv[:, :5]  # [3, 5, 48] of [3, 7, 48]
+    weight = torch.rand(5, 48, generator=torch.Generator().manual_seed(6)) + 0.5
+    out = kernels.rms_norm(heads, weight, 1e-6)
+    exact = F.rms_norm(heads.float(), (48,), None, 1e-6) * weight
+    assert out.is_contiguous() and (out.float() - exact).abs().max() <= 0.01 * exact.abs().max()
+    hidden = bf16(1, 4, 200, seed=7)
+    exact = F.rms_norm(hidden.float(), (200,), None, 1e-5)
+    assert (kernels.rms_norm(hidden, None, 1e-5).float() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
+@needs_kernels
+def test_packed_linear_takes_the_kernel_for_bf16_only(monkeypatch):
+    """bf16 CPU weights of an even input size go to the kernel; float32 and odd input sizes do not, and
+    with the kernel turned off bf16 takes oneDNN's prepacked weights."""
+    w = bf16(96, 64)
+    linear = packed.PackedLinear(w)
+    assert linear.kernels is not None and linear.packed
+    assert packed.PackedLinear(w.float()).kernels is None
+    assert packed.PackedLinear(bf16(96, 63)).kernels is None
+    x = bf16(3, 64, seed=9)
+    exact = x.float() @ w.float().t()
+    assert (linear(x[None]).float()[0] - exact).abs().max() <= 0.01 * exact.abs().max()
+    monkeypatch.setattr(packed, "KERNELS", False)
+    onednn = packed.PackedLinear(w)
+    assert onednn.kernels is None and onednn.packed == packed.ONEDNN
+    assert (onednn(x).float() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
+def test_turned_off_kernels_warn_with_the_reason_and_bf16_decodes_on_onednn():
+    """TLT_CPU_KERNELS=0 (as a machine without AVX-512 BF16 or a compiler): no kernel, a warning that
+    names why, and a bf16 model still decodes."""
+    code = """
+import warnings, torch
+warnings.simplefilter("always")
+from tlt.model import cpu_kernels, packed
+with warnings.catch_warnings(record=True) as caught:
+    assert cpu_kernels.kernels() is None
+    assert packed.PackedLinear(torch.ones(8, 8, dtype=torch.bfloat16)).kernels is None
+print("|".join(str(w.message) for w in caught))
+"""
+    env = {**os.environ, "TLT_CPU_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    messages = done.stdout.strip().split("|")
+    assert len(messages) == 1 and "TLT_CPU_KERNELS=0" in messages[0] and "oneDNN" in messages[0]
