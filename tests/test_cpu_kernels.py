@@ -103,3 +103,28 @@ print("|".join(str(w.message) for w in caught))
     assert done.returncode == 0, done.stderr
     messages = done.stdout.strip().split("|")
     assert len(messages) == 1 and "TLT_CPU_KERNELS=0" in messages[0] and "oneDNN" in messages[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,H,Hkv,T,S,D,masked", [(1, 16, 8, 1, 200, 48, False), (2, 4, 2, 5, 30, 12, True),
+                                                  (3, 8, 8, 4, 50, 64, True), (1, 4, 2, 7, 7, 48, False),
+                                                  (2, 6, 2, 3, 41, 128, True)])
+def test_attention_matches_sdpa_and_queries_do_not_depend_on_each_other(B, H, Hkv, T, S, D, masked):
+    """bf16 queries over float32 keys/values that are a slice of a larger cache (causal without a mask,
+    a random mask that keeps each query's own key otherwise), against float32 SDPA; each query's row
+    is the same bit for bit when it is the forward's only query."""
+    gen = torch.Generator().manual_seed(T * S)
+    q = torch.randn(B, H, T, D, generator=gen).bfloat16()
+    k, v = (torch.randn(B, Hkv, S + 3, D, generator=gen)[:, :, :S] for _ in range(2))
+    mask = None
+    if masked:
+        allowed = torch.rand(B, 1, T, S, generator=gen) > 0.3
+        allowed[..., S - T:] |= torch.eye(T, dtype=torch.bool)
+        mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+    out = kernels.attention(q, k, v, mask)
+    exact = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           enable_gqa=H != Hkv).transpose(1, 2).reshape(B, T, H * D)
+    assert out.shape == (B, T, H * D) and (out.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+    t = T - 1  # the last query alone sees the same keys (causal: all of them; masked: its mask row)
+    alone = kernels.attention(q[:, :, t:], k, v, None if mask is None else mask[:, :, t:])
+    assert torch.equal(alone[:, 0], out[:, t])

@@ -5,7 +5,10 @@ On this project's 2-core EPYC (AVX-512 BF16) a plain sum reads 29-38 GB/s; oneDN
 products stream 11-15 GB/s at one row, this kernel 25-30 GB/s, and it stays as fast or faster than
 oneDNN's up to 512 rows (`tlt bench roofline` measures both). It computes each output element with one
 float32 accumulator in a fixed order, so a row's result does not depend on how many rows are
-multiplied, and its rms norm replaces the several operators (5-60 us each) of `F.rms_norm` in bf16.
+multiplied. Its rms norm replaces the several operators (5-60 us each) of `F.rms_norm` in bf16, and its
+attention of bf16 queries over the float32 cache reads each kv head's keys once for all the queries
+that share it (a 9-token verification over 1500 cached tokens: about half the time of
+`scaled_dot_product_attention`).
 
 The extension is built with PyTorch's own toolchain (`torch.utils.cpp_extension`: a C++ compiler and
 ninja, ~1 minute once, cached under the torch extensions folder, rebuilt when the source changes).
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_bf16.cpp"
 GROUP = 64  # output columns per packed weight group (csrc/cpu_bf16.cpp)
+MAX_HEAD_DIM = 128  # head dims the attention kernel takes (csrc/cpu_bf16.cpp MAX_CHUNKS x 16)
 ENV = "TLT_CPU_KERNELS"
 
 _module = None
@@ -55,7 +59,9 @@ def _load():
         module = cpp_extension.load(name=f"tlt_cpu_bf16_{digest}", sources=[str(SOURCE)],
                                     extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: the reason is reported
-        _reason = f"building {SOURCE.name} failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})"
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
+        _reason = f"building {SOURCE} failed ({type(exc).__name__}: {first_error.strip()[:300]})"
         return None
     if not module.supported():
         _reason = "this CPU has no AVX-512 BF16"

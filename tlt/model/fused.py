@@ -11,7 +11,8 @@ bytes of weight it streams. Without gradients the layer runs on weights prepared
   - the post-attention norm's weight is folded into the stacked gate|up product likewise;
   - the o and down products add the residual inside the matrix product;
   - every product runs through `PackedLinear` (tlt/model/packed.py): in bf16 on tlt's kernel
-    (tlt/model/cpu_kernels.py), whose rms norm then replaces `F.rms_norm` too; prepacked oneDNN weights
+    (tlt/model/cpu_kernels.py), whose rms norm and attention over the float32 cache then replace
+    `F.rms_norm` and `scaled_dot_product_attention` (5-60 and ~110 us a call at one token); prepacked oneDNN weights
     where the weight streams from memory (bf16 without the kernel, large float32); MKL's column-major
     layout otherwise.
 
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tlt.model import cpu_kernels
 from tlt.model.attention import attend
 from tlt.model.packed import PackedLinear
 from tlt.model.rope import apply_rope
@@ -143,7 +145,11 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
     v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
     if cache is not None:
         k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
-    out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
+    if (kernels is not None and k.dtype == torch.float32 and D <= cpu_kernels.MAX_HEAD_DIM
+            and (mask is None or mask.dtype == torch.float32)):
+        out = kernels.attention(q, k, v, mask).view(B * T, H * D)  # bf16 queries over the float32 cache
+    else:
+        out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
     x2 = fused.o.add(x2, out)
     gate_up = fused.gate_up(_normed(x2, fused.post_eps, kernels))  # [B T, 2 I]
     inter = gate_up.shape[1] // 2

@@ -10,6 +10,12 @@
 // verification sees the logits plain decoding sees).
 //
 // rms_norm: out = bf16(x * rsqrt(mean(x^2) + eps) (* weight)) over the last dimension, in float32.
+//
+// attention: bf16 queries over float32 keys and values (the CPU cache of a bf16 model), the queries of
+// one kv head together. Each query's scores, max-subtracted exp and weighted sum of values run in key
+// order with the same arithmetic whatever else is computed beside it, so its result depends only on the
+// keys it sees and where they sit, not on how many queries share the forward. Masked keys (an additive
+// -inf) contribute exact zeros.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -17,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -24,7 +31,7 @@ constexpr int64_t GROUP = 64;  // output columns per packed group: 4 zmm of 16 f
 constexpr int64_t ROWS = 6;    // rows per register block: 6 x 4 accumulators + 4 weights + 1 input
 constexpr int64_t CHUNK = 48;  // rows per task: a weight group (K * 128 bytes) stays in L2 while they pass
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 template <int R>
 TARGET void block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, float* acc_out) {
@@ -95,11 +102,121 @@ TARGET void scale_row(const uint16_t* x, float s, const float* weight, uint16_t*
   }
 }
 
+// exp(x) for x <= 0 (a max-subtracted score), float32 to about 2 ulp: x = n ln2 + r, exp(r) by its
+// degree-7 expansion (Cephes' expf coefficients), scaled by 2^n; below -87.3 (and -inf) exactly 0.
+TARGET inline __m512 exp_nonpositive(__m512 x) {
+  __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// The dot products of four accumulators, summed over their 16 lanes: [sum a, sum b, sum c, sum d].
+TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128-bit lane: a, b, a, b
+  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a, b, c, d
+  __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// q . k over D = 16 (C - 1) + last elements, lane-wise (C chunks of 16, the last one masked).
+template <int C>
+TARGET inline __m512 dot_acc(const float* q, const float* k, __mmask16 last) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    __mmask16 dm = c == C - 1 ? last : (__mmask16)0xffff;
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(dm, q + 16 * c), _mm512_maskz_loadu_ps(dm, k + 16 * c), acc);
+  }
+  return acc;
+}
+
+constexpr int64_t MAX_CHUNKS = 8;  // head dims up to 128
+
+// R query rows (float32, [R][D]) that share one kv head, over its keys/values [S, D] (row stride ks / vs):
+// row r sees keys 0 .. visible[r] - 1 with the additive mask masks[r] (null: none) and writes out[r]
+// [D] bf16. Keys are read once for all rows (their scores four keys at a time, one reduction for four
+// dot products), values once per four rows. `scores` holds R * (S + 16) floats.
+template <int C>
+TARGET void attend_rows(const float* q, int64_t R, const float* k, int64_t ks, const float* v, int64_t vs,
+                        const float* const* masks, const int64_t* visible, int64_t D, float scale, float* scores,
+                        uint16_t* const* out) {
+  int64_t S = *std::max_element(visible, visible + R), stride = S + 16;
+  __mmask16 last = tail_mask(D - 16 * (C - 1));
+  int64_t s = 0;
+  for (; s + 4 <= S; s += 4)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      _mm_storeu_ps(scores + r * stride + s,
+                    sum4(dot_acc<C>(qr, k + s * ks, last), dot_acc<C>(qr, k + (s + 1) * ks, last),
+                         dot_acc<C>(qr, k + (s + 2) * ks, last), dot_acc<C>(qr, k + (s + 3) * ks, last)));
+    }
+  for (; s < S; ++s)
+    for (int64_t r = 0; r < R; ++r) scores[r * stride + s] = _mm512_reduce_add_ps(dot_acc<C>(q + r * D, k + s * ks, last));
+  std::vector<float> inv(R);
+  for (int64_t r = 0; r < R; ++r) {
+    // scale, mask, -inf past the row's keys (up to S rounded up to 16), a max-subtracted exp
+    float* sr = scores + r * stride;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (s = 0; s < S; s += 16) {
+      __mmask16 sm = tail_mask(visible[r] - s < 0 ? 0 : visible[r] - s);
+      __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(sm, sr + s), _mm512_set1_ps(scale));
+      if (masks[r]) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(sm, masks[r] + s));
+      x = _mm512_mask_blend_ps(sm, _mm512_set1_ps(-INFINITY), x);
+      _mm512_storeu_ps(sr + s, x);
+      top = _mm512_max_ps(top, x);
+    }
+    __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
+    for (s = 0; s < S; s += 16) {
+      __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak));
+      _mm512_storeu_ps(sr + s, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  // Weighted values: four rows at a time, key by key (weights past a row's keys are exact zeros).
+  // Rows past R in the last block of four read row R - 1's weights again and are not stored.
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const float* p[4];
+    for (int r = 0; r < 4; ++r) p[r] = scores + std::min(r0 + r, R - 1) * stride;
+    __m512 acc[4][C];
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (s = 0; s < S; ++s) {
+      const float* vr = v + s * vs;
+      for (int c = 0; c < C; ++c) {
+        __m512 vc = _mm512_maskz_loadu_ps(c == C - 1 ? last : (__mmask16)0xffff, vr + 16 * c);
+        for (int r = 0; r < 4; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][s]), vc, acc[r][c]);
+      }
+    }
+    for (int64_t r = 0; r < std::min<int64_t>(4, R - r0); ++r)
+      for (int c = 0; c < C; ++c)
+        store_bf16(c == C - 1 ? last : (__mmask16)0xffff, out[r0 + r] + 16 * c,
+                   _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r0 + r])));
+  }
+}
+
+using Attend = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, const float* const*,
+                        const int64_t*, int64_t, float, float*, uint16_t* const*);
+constexpr Attend ATTEND[9] = {nullptr, attend_rows<1>, attend_rows<2>, attend_rows<3>, attend_rows<4>,
+                              attend_rows<5>, attend_rows<6>, attend_rows<7>, attend_rows<8>};
+
 }  // namespace
 
 bool supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
 }
 
 // x [M, K] bf16 (rows contiguous), packed [G, K / 2, 64, 2] bf16, bias [N] float32 or undefined,
@@ -180,7 +297,64 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, dou
   return out;
 }
 
+// q [B, H, T, D] bf16, keys / values [B, H_kv, S, D] float32 (rows of D contiguous, any strides
+// otherwise), mask [B, 1, T, S] float32 additive (last dim contiguous) or undefined (causal over the
+// last T keys) -> [B, T, H * D] bf16. Query head h reads kv head h / (H / H_kv).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kBFloat16 && q.stride(3) == 1,
+              "attention: q must be [B, H, T, D] bf16 with contiguous rows");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 &&
+              k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(),
+              "attention: keys and values must be [B, H_kv, S, D] float32 with contiguous rows");
+  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0 && S >= T, "attention: q, keys and values disagree");
+  TORCH_CHECK(D <= 16 * MAX_CHUNKS, "attention: head dim above ", 16 * MAX_CHUNKS);
+  const float* mp = nullptr;
+  int64_t mb = 0, mt = 0;
+  if (mask && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kFloat32 && mask->dim() == 4 && mask->size(0) == B &&
+                mask->size(2) == T && mask->size(3) == S && mask->stride(3) == 1,
+                "attention: mask must be [B, 1, T, S] float32");
+    mp = mask->data_ptr<float>();
+    mb = mask->stride(0);
+    mt = mask->stride(2);
+  }
+  auto out = torch::empty({B, T, H * D}, q.options());
+  auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  int64_t group = H / Hkv;
+  float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // One task: the group * T query rows of one row's kv head.
+  int64_t R = group * T;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(R * (S + 16)), qf(R * D);
+    std::vector<const float*> masks(R);
+    std::vector<int64_t> visible(R);
+    std::vector<uint16_t*> outs(R);
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t b = i / Hkv, j = i % Hkv;
+      for (int64_t r = 0; r < R; ++r) {
+        int64_t h = j * group + r / T, t = r % T;
+        const uint16_t* qrow = qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
+        for (int64_t d = 0; d < D; ++d) {
+          uint32_t bits = static_cast<uint32_t>(qrow[d]) << 16;
+          std::memcpy(&qf[r * D + d], &bits, 4);
+        }
+        masks[r] = mp ? mp + b * mb + t * mt : nullptr;
+        visible[r] = mp ? S : S - T + t + 1;
+        outs[r] = op + (b * T + t) * H * D + h * D;
+      }
+      ATTEND[(D + 15) / 16](qf.data(), R, kp + b * k.stride(0) + j * k.stride(1), k.stride(2), vp + b * v.stride(0) + j * v.stride(1),
+                  v.stride(2), masks.data(), visible.data(), D, scale, scores.data(), outs.data());
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention", &attention);
   m.def("supported", &supported);
   m.def("linear", &linear);
   m.def("rms_norm", &rms_norm);
