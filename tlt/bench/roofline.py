@@ -4,10 +4,12 @@ A decode step of a model larger than the last-level cache reads every weight onc
 weight bytes / read bandwidth (the "bandwidth limit"), and speculative decoding pays as far as a forward
 over T new tokens costs about one over a single token. The bench measures, in one run:
   - the machine: read bandwidth (a sum over 1 GB of float32), and the best product throughput of the
-    kernels available in the model's dtype: prepacked oneDNN weights and plain `F.linear` at 1 row
-    (GB/s of weight streamed, over weights larger than the cache) and at 256 rows (GFLOP/s);
+    kernels available in the model's dtype: tlt's bf16 kernel (tlt/model/cpu_kernels.py), prepacked
+    oneDNN weights and plain `F.linear` at 1 row (GB/s of weight streamed, over weights larger than the
+    cache) and at 256 rows (GFLOP/s);
   - the model, tlt and transformers on the same weights and dtype: one cached forward of T new tokens
-    per row after P cached ones, at batch 1 for T = 1, 5, 9, 17, 33, and at batch 4, 16, 64 for T = 1.
+    per row after P cached ones, at batch 1 for T = 1, 5, 9, 17, 33, and at batch 4, 16, 64 for T = 1;
+    and the shares of tlt's one-token step spent in products and in attention (timed around each call).
 Repeats alternate the systems and measurements (rotated each repeat) so drift hits all alike; every
 figure is a median over repeats. `--model random-large` is a random Qwen3-shaped model of at least
 128 MB in the chosen dtype and 12 layers, for the memory-bound regime without a trained checkpoint.
@@ -69,6 +71,7 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
+    from tlt.model import cpu_kernels
     from tlt.model.packed import ONEDNN
 
     data = torch.ones(BANDWIDTH_BYTES // 4)
@@ -85,6 +88,10 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
         if ONEDNN:
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
             plain["onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
+        kernels = cpu_kernels.kernels() if dtype == torch.bfloat16 else None
+        if kernels is not None:
+            ours = [cpu_kernels.pack(w) for w in weights]
+            plain["tlt_kernel"] = lambda x: [kernels.linear(x, p, rows, None, None) for p in ours]
         for name, run in plain.items():
             out[f"{name}_1_row_gb_s"] = nbytes / _median_seconds(lambda: run(one), repeats) / 1e9
             out[f"{name}_256_rows_gflop_s"] = flops_256 / _median_seconds(lambda: run(many), 3) / 1e9
@@ -179,23 +186,46 @@ def measure(model, hf, prompt_len: int, repeats: int) -> list[dict[str, Any]]:
             for (name, b, t), s in samples.items()]
 
 
-def product_share(model, prompt_len: int, steps: int = 5) -> float:
-    """The share of a batch-1 one-token forward's CPU time spent inside matrix products (profiler)."""
+def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
+    """Shares of a batch-1 one-token forward's wall time spent in products (every `PackedLinear` call,
+    whichever kernel runs it) and in attention, timed around each call."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    products = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm"}
+    from tlt.model import cpu_kernels, fused
+    from tlt.model.packed import PackedLinear
+
+    spent = {"products": 0.0, "attention": 0.0}
+
+    def timed(fn, part):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[part] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    kernels = cpu_kernels.kernels() if model.dtype == torch.bfloat16 and model.device.type == "cpu" else None
+    patches = [(PackedLinear, "__call__", "products"), (PackedLinear, "add", "products"), (fused, "attend", "attention")]
+    if kernels is not None:
+        patches.append((kernels, "attention", "attention"))
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     system = TltSystem("tlt", model, prompt_len, model.config.vocab_size)
-    with torch.inference_mode():
-        system.prefill(1, torch.randint(model.config.vocab_size, (1, prompt_len)))
-        run = system.forward(1, torch.randint(model.config.vocab_size, (1, 1)))
-        run()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+    try:
+        for owner, name, part in patches:
+            setattr(owner, name, timed(getattr(owner, name), part))
+        with torch.inference_mode():
+            system.prefill(1, torch.randint(model.config.vocab_size, (1, prompt_len)))
+            run = system.forward(1, torch.randint(model.config.vocab_size, (1, 1)))
+            run()
+            spent.update(products=0.0, attention=0.0)
+            start = time.perf_counter()
             for _ in range(steps):
                 run()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    return sum(e.self_cpu_time_total for e in events if e.key in products) / total if total else 0.0
+            total = time.perf_counter() - start
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    return {part: seconds / total for part, seconds in spent.items()}
 
 
 def summarize(rows: list[dict], limit_ms: float) -> dict[str, Any]:
@@ -266,17 +296,18 @@ def run(args: argparse.Namespace) -> int:
         limits = machine_limits(dtype)
         limit_ms = 1e3 * weight_bytes / (limits["bandwidth_gb_s"] * 1e9)
         rows = measure(model, hf, args.prompt_len, args.repeats)
-        share = product_share(model, args.prompt_len)
+        shares = time_shares(model, args.prompt_len)
     for r in rows:
         r.update(model=args.model, dtype=args.dtype, weight_bytes=weight_bytes)
     summary = summarize(rows, limit_ms)
-    summary["product_share_one_token"] = share
+    summary["product_share_one_token"] = shares["products"]
+    summary["attention_share_one_token"] = shares["attention"]
     print(" ".join(f"{k} {v:.1f}" for k, v in limits.items()))
     print(f"bandwidth limit of one step: {limit_ms:.2f} ms (weight bytes / read bandwidth); "
           f"cached tokens per row: {args.prompt_len}; medians of {args.repeats} alternating repeats")
     print(format_table(rows, limit_ms))
     print(f"tlt one token: {summary['one_token_vs_limit']:.2f}x the bandwidth limit "
-          f"({100 * summary['bandwidth_fraction']:.0f}% of the read bandwidth), {100 * share:.0f}% of it in products; "
+          f"({100 * summary['bandwidth_fraction']:.0f}% of the read bandwidth), {100 * shares['products']:.0f}% of it in products, {100 * shares['attention']:.0f}% in attention; "
           + ", ".join(f"T={t}: {summary[f't{t}_vs_t1']:.2f}x T=1" for t in NEW_TOKENS[1:])
           + (f"; {summary['vs_transformers_batch1']:.2f}x faster than transformers at batch 1" if hf is not None else ""))
     record = {

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_bf16.cpp"
-GROUP = 64  # output columns per packed weight group (csrc/cpu_bf16.cpp)
+GROUP = 32  # output columns per packed weight group (csrc/cpu_bf16.cpp)
 MAX_HEAD_DIM = 128  # head dims the attention kernel takes (csrc/cpu_bf16.cpp MAX_CHUNKS x 16)
 ENV = "TLT_CPU_KERNELS"
 
@@ -84,8 +84,8 @@ def kernels():
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 (K even) -> [ceil(N / 64), K / 2, 64, 2]: group g holds output columns
-    64 g ... 64 g + 63 (zero past N), k in pairs."""
+    """weight [N, K] bf16 (K even) -> [ceil(N / 32), K / 2, 32, 2]: group g holds output columns
+    32 g ... 32 g + 31 (zero past N), k in pairs."""
     N, K = weight.shape
     groups = -(-N // GROUP)
     padded = F.pad(weight.detach(), (0, 0, 0, groups * GROUP - N))
