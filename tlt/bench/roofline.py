@@ -10,8 +10,8 @@ over T new tokens costs about one over a single token. The bench measures, in on
   - the model, tlt and transformers on the same weights and dtype: one cached forward of T new tokens
     per row after P cached ones, at batch 1 for T = 1, 5, 9, 17, 33, and at batch 4, 16, 64 for T = 1;
     and the shares of tlt's one-token step spent in products and in attention (timed around each call).
-Repeats alternate the systems and measurements (rotated each repeat) so drift hits all alike; every
-figure is a median over repeats. `--model random-large` is a random Qwen3-shaped model of at least
+Repeats alternate the systems and measurements (rotated each repeat) so drift hits all alike; each
+timed forward follows an untimed one of the same system and shape; every figure is a median over repeats. `--model random-large` is a random Qwen3-shaped model of at least
 128 MB in the chosen dtype and 12 layers, for the memory-bound regime without a trained checkpoint.
 """
 
@@ -176,6 +176,10 @@ def measure(model, hf, prompt_len: int, repeats: int) -> list[dict[str, Any]]:
         cases = [(s, shape) for shape in shapes for s in systems]
         for r in range(repeats + 1):  # repeat 0 warms up (packs weights, grows caches)
             for system, (b, t) in rotation(cases, r):
+                # One untimed forward of the same system and shape first: a decode step follows steps of
+                # its own model, not transformers' batch-64 forward (whose memory traffic otherwise lands
+                # on whichever forward follows it in the rotation).
+                system.forward(b, new[(b, t)])()
                 run = system.forward(b, new[(b, t)])
                 start = time.perf_counter()
                 run()
