@@ -16,7 +16,8 @@ plain decodings in one run (`<system>_vs_off_D`; `best_vs_off_D` is the fastest 
 
 Systems: `tlt_off` (plain decoding), `hf` (transformers' generate), each `--strategies` entry run at
 every step (`tlt_<strategy>`), and with `--adaptive` the adaptive engine, whose tuner state is carried
-from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first).
+from one rollout to the next as it is across RL steps (the untimed warm-up rollout is its first; a fixed
+system's warm-up is one prompt's first WARMUP_TOKENS tokens).
 `adaptive_vs_best_fixed` compares it with the fastest fixed system picked in hindsight; a second PNG
 (beside `--plot`, its name + `_strategy`) shows which strategy the adaptive engine ran at each live
 batch size. Each `--adaptive-arms A,B,...` adds an adaptive engine whose tuner competes over those
@@ -115,6 +116,7 @@ def run_tlt(model, prompts, args, repeat: int, config=None, tuner_state=None) ->
 
 
 ADAPTIVE = "tlt_adaptive"
+WARMUP_TOKENS = 32  # tokens of a fixed system's untimed warm-up rollout (one prompt, one sample)
 
 
 def adaptive_arms(text: str) -> tuple[str, ...]:
@@ -273,11 +275,12 @@ def run(args: argparse.Namespace) -> int:
     from tlt.speculative import Drafter
 
     prompts = workload(args, tokenizer)
-    systems = {"tlt_off": lambda r: run_tlt(model, prompts, args, r)}
+    # Fixed systems take (repeat, args, prompts): their warm-up is a short rollout of one prompt.
+    systems = {"tlt_off": lambda r, a=args, p=prompts: run_tlt(model, p, a, r)}
     drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive or arm_sets else None
     for name in strategies:
         config = EngineConfig(speculative="on", strategy=name, drafter=drafter)
-        systems[f"tlt_{name}"] = lambda r, config=config: run_tlt(model, prompts, args, r, config)
+        systems[f"tlt_{name}"] = lambda r, a=args, p=prompts, config=config: run_tlt(model, p, a, r, config)
     adaptive = dict(([(ADAPTIVE, TunerConfig())] if args.adaptive else []) +
                     [(f"{ADAPTIVE}:{'+'.join(arms)}", TunerConfig(arms=arms)) for arms in arm_sets])  # name -> tuner
     for name, tuner in adaptive.items():
@@ -286,17 +289,20 @@ def run(args: argparse.Namespace) -> int:
     baseline = baseline_name(args.baseline_dtype, args.dtype)
     if baseline is not None:
         other = load_model(folder, dtype=args.baseline_dtype, device=device)
-        systems[baseline] = lambda r: run_tlt(other, prompts, args, r)
+        systems[baseline] = lambda r, a=args, p=prompts: run_tlt(other, p, a, r)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model.dtype).to(device).eval()
-        systems["hf"] = lambda r: run_hf(hf_model, prompts, args, tokenizer.eos_token_id, tokenizer.pad_token_id, r)
+        systems["hf"] = lambda r, a=args, p=prompts: run_hf(hf_model, p, a, tokenizer.eos_token_id, tokenizer.pad_token_id, r)
     print(f"rollout bench: {args.dtype}, {args.prompts} prompts x {args.samples} samples, temperature {args.temperature}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}", file=sys.stderr)
     with torch.inference_mode():
-        for name, fn in systems.items():  # warm-up, not timed
-            fn(-1)
+        # Warm-up, not timed: the adaptive engines' is a full rollout (their tuners' first, carried as
+        # across RL steps); a fixed system only needs its weights prepared and its code paths run once.
+        short = argparse.Namespace(**{**vars(args), "samples": 1, "max_tokens": WARMUP_TOKENS})
+        for name, fn in systems.items():
+            fn(-1) if name in adaptive else fn(-1, short, prompts[:1])
         results = {name: [] for name in systems}
         for r in range(args.repeats):
             for name in rotation(list(systems), r):
