@@ -129,3 +129,66 @@ def test_attention_matches_sdpa_and_queries_do_not_depend_on_each_other(B, H, Hk
     t = T - 1  # the last query alone sees the same keys (causal: all of them; masked: its mask row)
     alone = kernels.attention(q[:, :, t:], k, v, None if mask is None else mask[:, :, t:])
     assert torch.equal(alone[:, 0], out[:, t])
+
+
+@needs_kernels
+@pytest.mark.parametrize("norm", [True, False])
+def test_rope_write_matches_the_reference_ops(norm):
+    """q/k norm + RoPE + cache write in one kernel against the operators the reference layer runs
+    (bf16 norm, bf16 rotation, `KVCache.write`), on rows of unequal length: q and the written keys agree
+    within one bf16 rounding, values are copied exactly, and no other slot of the cache changes."""
+    from tlt.model.fused import _qk_normed
+    from tlt.model.kv_cache import KVCache
+    from tlt.model.rope import apply_rope, rope_tables
+
+    B, T, H, Hkv, D = 2, 3, 4, 2, 16
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=gen).bfloat16()
+    weight = torch.rand(H + Hkv, D, generator=gen) + 0.5
+    lengths = torch.tensor([5, 2])
+    cos, sin = rope_tables(lengths[:, None] + torch.arange(T), 1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0,
+                           torch.bfloat16)
+    caches = []
+    for _ in range(2):
+        cache = KVCache(1, B, Hkv, D, dtype=torch.float32)
+        cache.reserve(8)
+        cache.store.normal_(generator=torch.Generator().manual_seed(12))
+        cache.lengths = lengths.clone()
+        caches.append(cache)
+    keys, values, S = caches[0].buffers(0, T)
+    q = kernels.rope_write(qkv, H, weight if norm else None, 1e-6, cos.reshape(B, T, D), sin.reshape(B, T, D), keys,
+                           values, caches[0].lengths)
+    qk = qkv[:, :, : H + Hkv]
+    if norm:
+        fused = type("Fused", (), {"qkv": type("P", (), {"kernels": None})(), "qk_eps": 1e-6,
+                                   "qk_norm": weight.bfloat16()})()
+        qk = _qk_normed(fused, qk)
+    qk = apply_rope(qk, cos, sin).transpose(1, 2)
+    ref_k, ref_v = caches[1].write(0, qk[:, H:], qkv[:, :, H + Hkv :].transpose(1, 2))
+    assert S == 8 and q.shape == (B, H, T, D)
+    tol = 0.02 * qk.float().abs().max()
+    assert (q.float() - qk[:, :H].float()).abs().max() <= tol
+    assert (keys[:, :, :S] - ref_k).abs().max() <= tol
+    assert torch.equal(values[:, :, :S], ref_v)
+    new = torch.zeros(B, 1, keys.shape[2], 1, dtype=torch.bool)
+    for b, n in enumerate(lengths.tolist()):
+        new[b, 0, n : n + T] = True
+    assert torch.equal(keys.masked_select(~new), caches[1].keys[0].masked_select(~new))  # the rest untouched
+
+
+@needs_kernels
+def test_attention_of_a_tree_node_equals_its_plain_decoding_bit_for_bit():
+    """A tree draft's node attends to its ancestors among draft slots with other nodes masked between;
+    plain decoding later reads the same keys packed one after another. The kernel gives both the same
+    bits (the greedy and seeded equality of tree speculation and plain decoding rest on it)."""
+    gen = torch.Generator().manual_seed(21)
+    H, Hkv, D, n = 4, 2, 48, 37
+    keys, values = torch.randn(1, Hkv, n + 9, D, generator=gen), torch.randn(1, Hkv, n + 9, D, generator=gen)
+    q = torch.randn(1, H, 1, D, generator=gen).bfloat16()
+    seen = [*range(n), n + 2, n + 5, n + 8]  # the cache, two ancestors and the node itself
+    allowed = torch.zeros(1, 1, 1, n + 9, dtype=torch.bool)
+    allowed[..., seen] = True
+    mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+    tree = kernels.attention(q, keys, values, mask)
+    plain = kernels.attention(q, keys[:, :, seen].contiguous(), values[:, :, seen].contiguous(), None)
+    assert torch.equal(tree, plain)

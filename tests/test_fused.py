@@ -101,6 +101,11 @@ def test_model_runs_the_fused_step_without_gradients_only(tiny_model):
     with torch.no_grad():
         assert uses_fused_step(torch.zeros(4, 128, 8))
         assert not uses_fused_step(torch.zeros(4, 129, 8))  # past MAX_ROWS tokens the reference layer is faster
+        big_bf16 = torch.zeros(4, 129, 8, dtype=torch.bfloat16)  # except in bf16 on tlt's kernels
+        assert uses_fused_step(big_bf16) == (cpu_kernels.kernels() is not None)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(packed, "KERNELS", False)
+            assert not uses_fused_step(big_bf16)
         assert uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.bfloat16))  # on the CPU
         assert not uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.float16))
     # bf16 on the CPU runs the fused step on packed weights, within bf16 rounding of the reference layer.

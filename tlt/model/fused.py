@@ -21,9 +21,9 @@ Fusing cuts calls, not arithmetic: at 9-17 rows the products are bound by their 
 draft's verification there costs more than a one-token step (about 1.2-1.4x), and speculation gains
 less than on a model whose step streams its weights (tlt/model/packed.py), where a few rows cost what
 one does.
-Forwards of more than MAX_ROWS tokens take the reference layer, whose separate products are the
-faster once the products dominate (the stacked gate|up and the strided q/k slices cost more than
-the calls they save). In float32 the result equals the reference layer up to rounding (about 1e-6:
+Forwards of more than MAX_ROWS tokens take the reference layer (except in bf16 on tlt's kernels),
+whose separate products are the faster once the products dominate (the stacked gate|up and the
+strided q/k slices cost more than the calls they save). In float32 the result equals the reference layer up to rounding (about 1e-6:
 the products and the norm multiply in another order); in bf16 the folded weights round once more,
 within bf16's tolerance of transformers' bf16 layers. On a GPU the fused step runs in float32 only
 (half precision keeps the reference layer there). Training (gradients on) always runs the reference
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt.model import cpu_kernels
+from tlt.model import cpu_kernels, packed
 from tlt.model.attention import attend
 from tlt.model.packed import PackedLinear
 from tlt.model.rope import apply_rope
@@ -56,10 +56,14 @@ MAX_ROWS = 512  # tokens per forward (rows x new tokens) up to which the fused s
 
 def uses_fused_step(x: torch.Tensor) -> bool:
     """Whether a layer forward on hidden states `x` [B, T, hidden] runs the fused step: without
-    gradients, at most MAX_ROWS tokens, float32 (or bf16 on the CPU)."""
-    if torch.is_grad_enabled() or x.shape[0] * x.shape[1] > MAX_ROWS:
+    gradients, float32 up to MAX_ROWS tokens, bf16 on the CPU up to MAX_ROWS tokens or at any size on
+    tlt's kernels (as fast as oneDNN's products at every row count, and the same rows bit for bit
+    whatever the forward's size)."""
+    if torch.is_grad_enabled():
         return False
-    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu")
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return x.shape[0] * x.shape[1] <= MAX_ROWS or (packed.KERNELS and cpu_kernels.kernels() is not None)
+    return x.dtype == torch.float32 and x.shape[0] * x.shape[1] <= MAX_ROWS
 
 
 def _stack_bias(*linears: nn.Linear) -> torch.Tensor | None:
@@ -137,19 +141,27 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
     x2 = x.reshape(B * T, hidden)
     kernels = fused.qkv.kernels
     qkv = fused.qkv(x2 if fused.input_eps is None else _normed(x2, fused.input_eps, kernels)).view(B, T, H + 2 * Hkv, D)
-    qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]
-    if fused.qk_norm is not None:
-        qk = _qk_normed(fused, qk)
-    qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H + H_kv, T, D]
-    q, k = qk[:, :H], qk[:, H:]
-    v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
-    if cache is not None:
-        k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
-    if (kernels is not None and k.dtype == torch.float32 and D <= cpu_kernels.MAX_HEAD_DIM
-            and (mask is None or mask.dtype == torch.float32)):
-        out = kernels.attention(q, k, v, mask).view(B * T, H * D)  # bf16 queries over the float32 cache
+    if (kernels is not None and cache is not None and cache.dtype == torch.float32 and D <= cpu_kernels.MAX_HEAD_DIM
+            and (mask is None or mask.dtype == torch.float32) and cos.dtype == torch.bfloat16):
+        # q/k norm, RoPE and the cache write in one kernel, then attention over the float32 cache.
+        keys, values, S = cache.buffers(index, T)
+        q = kernels.rope_write(qkv, H, fused.qk_norm_f32, fused.qk_eps, cos.expand(B, T, 1, D).reshape(B, T, D),
+                               sin.expand(B, T, 1, D).reshape(B, T, D), keys, values, cache.lengths)
+        out = kernels.attention(q, keys[:, :, :S], values[:, :, :S], mask).view(B * T, H * D)
     else:
-        out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
+        qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]
+        if fused.qk_norm is not None:
+            qk = _qk_normed(fused, qk)
+        qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H + H_kv, T, D]
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
+        if cache is not None:
+            k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
+        if (kernels is not None and k.dtype == torch.float32 and D <= cpu_kernels.MAX_HEAD_DIM
+                and (mask is None or mask.dtype == torch.float32)):
+            out = kernels.attention(q, k, v, mask).view(B * T, H * D)  # bf16 queries over the float32 cache
+        else:
+            out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
     x2 = fused.o.add(x2, out)
     gate_up = fused.gate_up(_normed(x2, fused.post_eps, kernels))  # [B T, 2 I]
     inter = gate_up.shape[1] // 2

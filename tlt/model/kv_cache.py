@@ -152,6 +152,14 @@ class KVCache:
         end = longest + T
         return keys[:, :, :end], values[:, :, :end]
 
+    def buffers(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a kernel that writes T new tokens itself, at slots lengths[b] .. lengths[b]+T-1 of row b:
+        the layer's key and value buffers [B, H_kv, C, D] with room for them, and S = longest row + T,
+        the slots attention then reads (as `write` returns them)."""
+        if self.max_length + T > self.capacity:
+            self.reserve(T)
+        return self.keys[layer], self.values[layer], self.max_length + T
+
     def advance(self, counts: torch.Tensor | int) -> None:
         """Count `counts` (per row or for all) freshly written tokens as cached."""
         if isinstance(counts, int):  # every row grows alike: the bounds shift without a device read

@@ -13,11 +13,16 @@
 //
 // rms_norm: out = bf16(x * rsqrt(mean(x^2) + eps) (* weight)) over the last dimension, in float32.
 //
+// rope_write: the q/k per-head norm, RoPE and the cache write of one layer's stacked q|k|v in one pass:
+// q comes back, k and v go straight into the float32 cache at each row's next slots. q and k are rounded
+// to bf16 after the norm and after the rotation (the rotation in float32), as the reference layer rounds
+// them, so the cache holds bf16 values whichever path wrote it.
+//
 // attention: bf16 queries over float32 keys and values (the CPU cache of a bf16 model), the queries of
-// one kv head together. Each query's scores, max-subtracted exp and weighted sum of values run in key
-// order with the same arithmetic whatever else is computed beside it, so its result depends only on the
-// keys it sees and where they sit, not on how many queries share the forward. Masked keys (an additive
-// -inf) contribute exact zeros.
+// one kv head together. Each key's score takes the same arithmetic wherever it sits, and the weighted
+// sum of values and the sum of weights run in slot order, where masked keys (an additive -inf) add exact
+// zeros: a query's result depends only on the keys it sees, in their order, not on how many queries
+// share the forward or which masked keys lie between.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -166,9 +171,10 @@ TARGET void attend_rows(const float* q, int64_t R, const float* k, int64_t ks, c
                     sum4(dot_acc<C>(qr, k + s * ks, last), dot_acc<C>(qr, k + (s + 1) * ks, last),
                          dot_acc<C>(qr, k + (s + 2) * ks, last), dot_acc<C>(qr, k + (s + 3) * ks, last)));
     }
-  for (; s < S; ++s)
-    for (int64_t r = 0; r < R; ++r) scores[r * stride + s] = _mm512_reduce_add_ps(dot_acc<C>(q + r * D, k + s * ks, last));
-  std::vector<float> inv(R);
+  const __m512 zero = _mm512_setzero_ps();
+  for (; s < S; ++s)  // the same reduction as a key scored in a block of four (a key's score never depends on S)
+    for (int64_t r = 0; r < R; ++r)
+      scores[r * stride + s] = _mm_cvtss_f32(sum4(dot_acc<C>(q + r * D, k + s * ks, last), zero, zero, zero));
   for (int64_t r = 0; r < R; ++r) {
     // scale, mask, -inf past the row's keys (up to S rounded up to 16), a max-subtracted exp
     float* sr = scores + r * stride;
@@ -181,24 +187,25 @@ TARGET void attend_rows(const float* q, int64_t R, const float* k, int64_t ks, c
       _mm512_storeu_ps(sr + s, x);
       top = _mm512_max_ps(top, x);
     }
-    __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
-    for (s = 0; s < S; s += 16) {
-      __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak));
-      _mm512_storeu_ps(sr + s, e);
-      total = _mm512_add_ps(total, e);
-    }
-    inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+    __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (s = 0; s < S; s += 16)
+      _mm512_storeu_ps(sr + s, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak)));
   }
-  // Weighted values: four rows at a time, key by key (weights past a row's keys are exact zeros).
-  // Rows past R in the last block of four read row R - 1's weights again and are not stored.
+  // Weighted values and the weights' sum, four rows at a time, key by key in slot order: weights of
+  // masked keys and keys past a row's are exact zeros, which leave both sums unchanged, so a query's
+  // result does not depend on which other keys sit between the ones it sees (a tree draft's node
+  // equals plain decoding's token bit for bit). Rows past R in the last block of four read row R - 1's
+  // weights again and are not stored.
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const float* p[4];
     for (int r = 0; r < 4; ++r) p[r] = scores + std::min(r0 + r, R - 1) * stride;
     __m512 acc[4][C];
+    float total[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (s = 0; s < S; ++s) {
       const float* vr = v + s * vs;
+      for (int r = 0; r < 4; ++r) total[r] += p[r][s];
       for (int c = 0; c < C; ++c) {
         __m512 vc = _mm512_maskz_loadu_ps(c == C - 1 ? last : (__mmask16)0xffff, vr + 16 * c);
         for (int r = 0; r < 4; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][s]), vc, acc[r][c]);
@@ -207,7 +214,7 @@ TARGET void attend_rows(const float* q, int64_t R, const float* k, int64_t ks, c
     for (int64_t r = 0; r < std::min<int64_t>(4, R - r0); ++r)
       for (int c = 0; c < C; ++c)
         store_bf16(c == C - 1 ? last : (__mmask16)0xffff, out[r0 + r] + 16 * c,
-                   _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r0 + r])));
+                   _mm512_mul_ps(acc[r][c], _mm512_set1_ps(1.0f / total[r])));
   }
 }
 
@@ -360,7 +367,99 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   return out;
 }
 
+namespace {
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch rounds (NaN kept a NaN)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+}  // namespace
+
+// qkv [B, T, H + 2 H_kv, D] bf16 contiguous (heads: H queries, H_kv keys, H_kv values); norm [H + H_kv, D]
+// float32 or undefined (no q/k norm); cos, sin [B, T, D] bf16 contiguous (tlt/model/rope.py's tables:
+// x * cos + roll(x, D / 2) * sin); keys, values [B, H_kv, C, D] float32 (rows of D contiguous); slots [B]
+// int64: row b's T new tokens go to slots[b] .. slots[b] + T - 1. Returns q [B, H, T, D] bf16.
+torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tensor> norm, double eps, torch::Tensor cos,
+                         torch::Tensor sin, torch::Tensor keys, torch::Tensor values, torch::Tensor slots) {
+  TORCH_CHECK(qkv.dim() == 4 && qkv.scalar_type() == torch::kBFloat16 && qkv.is_contiguous(),
+              "rope_write: qkv must be [B, T, heads, D] bf16, contiguous");
+  int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(3), Hkv = (qkv.size(2) - H) / 2;
+  TORCH_CHECK(H > 0 && Hkv > 0 && H + 2 * Hkv == qkv.size(2) && D % 2 == 0 && D <= 256, "rope_write: bad head counts");
+  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              "rope_write: cos and sin must be [B, T, D] bf16, contiguous");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 && keys.dim() == 4 &&
+              keys.sizes() == values.sizes() && keys.size(0) == B && keys.size(1) == Hkv && keys.size(3) == D &&
+              keys.stride(3) == 1 && values.stride(3) == 1, "rope_write: keys and values must be [B, H_kv, C, D] float32");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == B && slots.is_contiguous(),
+              "rope_write: slots must be [B] int64");
+  const float* w = nullptr;
+  if (norm && norm->defined()) {
+    TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->is_contiguous() && norm->numel() == (H + Hkv) * D,
+                "rope_write: norm must be [H + H_kv, D] float32");
+    w = norm->data_ptr<float>();
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t C = keys.size(2);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] + T <= C, "rope_write: row ", b, " would write past the cache's capacity");
+  auto q = torch::empty({B, H, T, D}, qkv.options());
+  auto src = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  auto cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  auto sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  auto qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t heads = H + 2 * Hkv, half = D / 2;
+  at::parallel_for(0, B * T, 16, [&](int64_t i0, int64_t i1) {
+    float x[256];
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t b = i / T, t = i % T;
+      const uint16_t* row = src + i * heads * D;
+      const uint16_t* c = cp + i * D;
+      const uint16_t* sn = sp + i * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint16_t* head = row + h * D;
+        if (h >= H + Hkv) {  // a value head: copied as it is
+          float* dst = vp + b * values.stride(0) + (h - H - Hkv) * values.stride(1) + (slot[b] + t) * values.stride(2);
+          for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_float(head[d]);
+          continue;
+        }
+        for (int64_t d = 0; d < D; ++d) x[d] = bf16_to_float(head[d]);
+        if (w) {
+          float ss = 0.0f;
+          for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+          float scale = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+          for (int64_t d = 0; d < D; ++d) x[d] = round_bf16(x[d] * scale * w[h * D + d]);
+        }
+        if (h < H) {
+          uint16_t* dst = qp + ((b * H + h) * T + t) * D;
+          for (int64_t d = 0; d < D; ++d)
+            dst[d] = float_to_bf16(x[d] * bf16_to_float(c[d]) + x[(d + half) % D] * bf16_to_float(sn[d]));
+        } else {
+          float* dst = kp + b * keys.stride(0) + (h - H) * keys.stride(1) + (slot[b] + t) * keys.stride(2);
+          for (int64_t d = 0; d < D; ++d)
+            dst[d] = round_bf16(x[d] * bf16_to_float(c[d]) + x[(d + half) % D] * bf16_to_float(sn[d]));
+        }
+      }
+    }
+  });
+  return q;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write", &rope_write);
   m.def("attention", &attention);
   m.def("supported", &supported);
   m.def("linear", &linear);
