@@ -11,10 +11,10 @@ bytes of weight it streams. Without gradients the layer runs on weights prepared
   - the post-attention norm's weight is folded into the stacked gate|up product likewise;
   - the o and down products add the residual inside the matrix product;
   - every product runs through `PackedLinear` (tlt/model/packed.py): in bf16 on tlt's kernel
-    (tlt/model/cpu_kernels.py), whose rms norm and attention over the float32 cache then replace
-    `F.rms_norm` and `scaled_dot_product_attention` (5-60 and ~110 us a call at one token); prepacked oneDNN weights
-    where the weight streams from memory (bf16 without the kernel, large float32); MKL's column-major
-    layout otherwise.
+    (tlt/model/cpu_kernels.py), whose rms norm, q/k norm with RoPE and cache write, and attention over
+    the float32 cache then replace the operators (`F.rms_norm` 5-60 us a call, SDPA ~110 us at one
+    token); prepacked oneDNN weights where the weight streams from memory (bf16 without the kernel,
+    large float32); MKL's column-major layout otherwise.
 
 On the default model (inside L3) a one-token step takes about half the time of the reference layer's.
 Fusing cuts calls, not arithmetic: at 9-17 rows the products are bound by their arithmetic, so a
@@ -23,8 +23,8 @@ less than on a model whose step streams its weights (tlt/model/packed.py), where
 one does.
 Forwards of more than MAX_ROWS tokens take the reference layer (except in bf16 on tlt's kernels),
 whose separate products are the faster once the products dominate (the stacked gate|up and the
-strided q/k slices cost more than the calls they save). In float32 the result equals the reference layer up to rounding (about 1e-6:
-the products and the norm multiply in another order); in bf16 the folded weights round once more,
+strided q/k slices cost more than the calls they save). In float32 the result equals the reference
+layer up to rounding (about 1e-6: the products and the norm multiply in another order); in bf16 the folded weights round once more,
 within bf16's tolerance of transformers' bf16 layers. On a GPU the fused step runs in float32 only
 (half precision keeps the reference layer there). Training (gradients on) always runs the reference
 layer on the parameters themselves.
@@ -157,11 +157,7 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
         v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
         if cache is not None:
             k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
-        if (kernels is not None and k.dtype == torch.float32 and D <= cpu_kernels.MAX_HEAD_DIM
-                and (mask is None or mask.dtype == torch.float32)):
-            out = kernels.attention(q, k, v, mask).view(B * T, H * D)  # bf16 queries over the float32 cache
-        else:
-            out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
+        out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
     x2 = fused.o.add(x2, out)
     gate_up = fused.gate_up(_normed(x2, fused.post_eps, kernels))  # [B T, 2 I]
     inter = gate_up.shape[1] // 2
