@@ -113,3 +113,21 @@ def test_train_drafter_on_a_chat_dataset_and_on_its_reference_completions(model_
                  *common]) == 2
     assert "column 'answer' is missing or not text" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_readme_example_files_train(tmp_path, monkeypatch):
+    """`examples/byo.py` (the README's "Bring your own") writes a Llama folder, both dataset layouts and a
+    reward module that `tlt train` takes as they are: one step on each file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "byo.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path / "byo")], check=True, capture_output=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "byo"))
+    model = tmp_path / "byo" / "model"
+    for dataset, reward in (("train.jsonl", "my_reward:weighted_answer"), ("train.parquet", "math")):
+        config = tiny(model, tmp_path / "byo" / dataset, reward=reward, steps=1, eval_every=1, max_response_tokens=6,
+                      accuracy_threshold=0.5)
+        metrics = run(config, tmp_path / f"run-{dataset}")
+        assert [r["step"] for r in metrics] == [0, 1] and metrics[1]["reward_errors"] == 0

@@ -108,6 +108,11 @@ def test_model_runs_the_fused_step_without_gradients_only(tiny_model):
             assert not uses_fused_step(big_bf16)
         assert uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.bfloat16))  # on the CPU
         assert not uses_fused_step(torch.zeros(1, 1, 8, dtype=torch.float16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16-autocast trainer's recomputed log-probs
+            assert not uses_fused_step(torch.zeros(1, 1, 8))
+            autocast_logits = model(ids).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(ids).logits.detach(), autocast_logits)  # the update's forward, bit for bit
     # bf16 on the CPU runs the fused step on packed weights, within bf16 rounding of the reference layer.
     half = tiny_model(seed=4).bfloat16()
     with torch.no_grad():

@@ -58,8 +58,10 @@ def uses_fused_step(x: torch.Tensor) -> bool:
     """Whether a layer forward on hidden states `x` [B, T, hidden] runs the fused step: without
     gradients, float32 up to MAX_ROWS tokens, bf16 on the CPU up to MAX_ROWS tokens or at any size on
     tlt's kernels (as fast as oneDNN's products at every row count, and the same rows bit for bit
-    whatever the forward's size)."""
-    if torch.is_grad_enabled():
+    whatever the forward's size). Not under autocast: its products would take the prepared weights in
+    their own dtype while autocast casts the operators between them (a bf16-autocast trainer's
+    recomputed log-probs take the reference layer, as its update's forward does)."""
+    if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
         return False
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         return x.shape[0] * x.shape[1] <= MAX_ROWS or (packed.KERNELS and cpu_kernels.kernels() is not None)
