@@ -79,6 +79,25 @@ def test_pool_returns_what_the_in_process_engine_returns(model_dir):
         rollout.close()
 
 
+def test_bf16_workers_get_the_policy_in_bf16_and_sample_what_a_bf16_engine_does(model_dir):
+    """The driver casts the float32 policy to the workers' dtype before it enters the object store (half
+    the bytes); the cast is the one a worker's own copy made, so the samples are the in-process ones."""
+    from tlt.model import load_model
+
+    policy = load_model(model_dir).state_dict()
+    engine = RolloutEngine(load_model(model_dir, dtype="bfloat16"), config=EngineConfig(progress=False))
+    engine.load_weights(policy, 0)
+    expected = engine.generate(PROMPTS, params())
+    pool = pool_of(model_dir, dtype="bfloat16")
+    rollout = PooledRollout(pool, None, log=lambda *_: None)
+    try:
+        assert all(v.dtype == torch.bfloat16 for v in ray.get(pool.policy[0]).values())
+        outputs, _ = rollout.generate(PROMPTS, params(), 0, 0)
+        assert flat(outputs) == flat(expected)
+    finally:
+        rollout.close()
+
+
 def test_a_worker_killed_mid_rollout_is_restarted_without_losing_or_duplicating_samples(model_dir):
     clean = PooledRollout(pool_of(model_dir), None, log=lambda *_: None)
     try:

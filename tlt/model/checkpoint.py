@@ -27,7 +27,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_MODELS = {"default": ASSETS / "default"}
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the spellings options and config fields offer
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
@@ -89,10 +89,10 @@ def parse_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.d
         return dtype
     if dtype == "auto":
         stored = config.extra.get("dtype") or config.extra.get("torch_dtype") or "float32"
-        return _DTYPES.get(stored, torch.float32)
-    if dtype not in _DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)} or 'auto'")
-    return _DTYPES[dtype]
+        return DTYPES.get(stored, torch.float32)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

@@ -287,9 +287,20 @@ class RayPool:
         return actor
 
     def load_weights(self, state: dict, version: int) -> None:
-        ref = self.ray.put({k: v.detach().cpu() for k, v in state.items()})
+        # Sent in the workers' dtype: the cast each worker's copy would make (round to nearest even),
+        # made once here, so bf16 workers map half the bytes and the object store holds half.
+        dtype = self._weights_dtype()
+        ref = self.ray.put({k: (v.detach().to(dtype) if v.is_floating_point() and dtype else v.detach()).cpu()
+                            for k, v in state.items()})
         self.policy = (ref, version)
         self.ray.get([a.load_weights.remote(ref, version) for a in self.actors])
+
+    def _weights_dtype(self) -> torch.dtype | None:
+        """The workers' weight dtype when they share one given by name, else None (send as it is)."""
+        from tlt.model.checkpoint import DTYPES
+
+        names = {s.dtype or "float32" for s in self.specs}
+        return DTYPES.get(names.pop()) if len(names) == 1 else None
 
     def load_drafter(self, state: dict, version: int) -> None:
         ref = self.ray.put(state)
