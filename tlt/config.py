@@ -254,8 +254,6 @@ def override(config: T, changes: dict[str, Any]) -> T:
         head, dot, rest = key.partition(".")
         if dot:
             inner.setdefault(head, {})[rest] = value
-        elif dataclasses.is_dataclass(getattr(config, key, None)):
-            raise ConfigError(f"field {key!r} is a group of settings: set {key}.NAME")
         else:
             top[key] = value
     for head, sub in inner.items():
@@ -317,6 +315,15 @@ def check_numbers(config: Any) -> None:
         if f.type in ("float", float):
             check(config, f.name, not isinstance(value, bool) and isinstance(value, (int, float))
                   and math.isfinite(value), "a finite number")
+
+
+def check_groups(config: Any) -> None:
+    """Every group of `config` holds its component's config (`drafter="random"` is not `drafter.model`)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if is_group(hints[f.name]):
+            check(config, f.name, isinstance(getattr(config, f.name), hints[f.name]),
+                  f"a {hints[f.name].__name__} (set its keys as {f.name}.NAME)")
 
 
 def import_callable(spec: str, what: str):
