@@ -3,6 +3,7 @@ config that runs a step in a fraction of a second."""
 
 import torch
 
+from tlt.config import flatten, override
 from tlt.rl import TrainConfig
 
 
@@ -21,8 +22,9 @@ def save_tiny_policy(folder):
 
 
 def tiny_config(model_dir, **overrides) -> TrainConfig:
-    fields = dict(model=str(model_dir), drafter=None, speculative="off", workers=1, reward="reward_fixtures:digit_fraction",
-                  train_problems=64, prompts_per_step=4, group_size=4, max_response_tokens=12, eval_problems=4,
-                  eval_samples=2, eval_every=0, save_every=0, lr=1e-2, steps=3)
-    fields.update(overrides)
-    return TrainConfig(**fields)
+    """`overrides` are TrainConfig fields, a group's as a dict of its keys: drafter={"train": "every"}."""
+    fields = {"model": str(model_dir), "drafter.model": None, "speculative": "off", "workers": 1,
+              "reward": "reward_fixtures:digit_fraction", "train_problems": 64, "prompts_per_step": 4, "group_size": 4,
+              "max_response_tokens": 12, "eval_problems": 4, "eval_samples": 2, "eval_every": 0, "save_every": 0,
+              "optim.lr": 1e-2, "steps": 3}
+    return override(TrainConfig(), {**fields, **flatten(overrides)})

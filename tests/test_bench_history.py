@@ -21,7 +21,7 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     model = save_tiny_policy(tmp_path / "model")
     out = tmp_path / "history.json"
     shared = ["--problems", "4", "--epochs", "2", "--prompts-per-step", "2", "--group", "2", "--json", str(out),
-              f"model={model}", "drafter=none", "reward=reward_fixtures:digit_fraction", "max_response_tokens=16"]
+              f"model={model}", "drafter.model=none", "reward=reward_fixtures:digit_fraction", "max_response_tokens=16"]
     assert main(["bench", "history", "--measure", "acceptance", "--suffix", "suffix-d8-v16",
                  "--paired", "ngram-d4,suffix-d4-v4", *shared]) == 0
     first = json.loads(out.read_text())
@@ -46,4 +46,4 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     assert any("suffix-d8-v16" in arms for arms in speedup["choices_by_batch_size_with"].values())
     assert both["speedup_command"] == ("tlt bench history --measure speedup --problems 4 --epochs 2 "
                                        f"--prompts-per-step 2 --group 2 --arms suffix-d8-v16 model={model} "
-                                       "drafter=none reward=reward_fixtures:digit_fraction max_response_tokens=16")
+                                       "drafter.model=none reward=reward_fixtures:digit_fraction max_response_tokens=16")

@@ -133,6 +133,6 @@ def test_e2e_model_option_implies_the_bench_policys_task_drafter_and_budget():
 
     assert model_defaults(None) == [] and model_defaults("some/folder") == ["model=some/folder"]
     c = build(TrainConfig, None, [*model_defaults("bench"), "max_response_tokens=900"])
-    assert (c.model, c.task, c.drafter, c.max_response_tokens) == ("bench", "bench", "bench", 900)
+    assert (c.model, c.task, c.drafter.model, c.max_response_tokens) == ("bench", "bench", "bench", 900)
     c = build(TrainConfig, None, model_defaults("bench"))
     assert c.max_response_tokens == get_task("bench").config.max_solution_tokens

@@ -11,6 +11,7 @@ import pytest
 
 from chat_tokenizer import BYTE_VOCAB, build_byte_tokenizer, build_chat_tokenizer
 from conftest import tiny_hf_model
+from tlt.config import override
 from tlt.errors import ConfigError
 from tlt.rl import TrainConfig
 from tlt.rl.run import train
@@ -27,11 +28,10 @@ def model_dir(tmp_path_factory):
 
 
 def tiny(model_dir, dataset, **overrides) -> TrainConfig:
-    fields = dict(model=str(model_dir), dataset=str(dataset), speculative="off", drafter=None, workers=1, steps=2,
-                  prompts_per_step=2, group_size=4, max_response_tokens=8, eval_every=2, eval_problems=2,
-                  eval_samples=2, save_every=0, lr=1e-2)
-    fields.update(overrides)
-    return TrainConfig(**fields)
+    fields = {"model": str(model_dir), "dataset": str(dataset), "speculative": "off", "drafter.model": None,
+              "workers": 1, "steps": 2, "prompts_per_step": 2, "group_size": 4, "max_response_tokens": 8,
+              "eval_every": 2, "eval_problems": 2, "eval_samples": 2, "save_every": 0, "optim.lr": 1e-2}
+    return override(TrainConfig(), {**fields, **overrides})
 
 
 def run(config, run_dir) -> list[dict]:

@@ -40,8 +40,8 @@ def test_two_processes_give_the_weights_of_one(model_dir):
     lr * sign(g) where |g| >> eps, which turns summation-order noise in near-zero gradient entries into
     lr-sized differences (between two packings in one process too); a tiny grad_clip keeps every entry
     far below eps, where the step is linear in the gradient, so the weights measure the summed gradient."""
-    c = dict(kl_coef=0.05, entropy_coef=0.01, aggregation="sequence", mini_batches=2, micro_batch_tokens=48,
-             old_logprobs="recompute", grad_clip=1e-9)
+    c = dict(loss={"kl_coef": 0.05, "entropy_coef": 0.01, "aggregation": "sequence", "old_logprobs": "recompute"},
+             optim={"mini_batches": 2, "micro_batch_tokens": 48, "grad_clip": 1e-9})
     rows, before, after = {}, {}, {}
     for n in (1, 2):
         trainer = GRPOTrainer(config(model_dir, trainer_processes=n, **c), log=lambda *_: None)
@@ -120,7 +120,7 @@ def test_a_helper_that_cannot_start_is_reported_at_once(model_dir, tmp_path):
     policy = load_model(model_dir)
     c = config(tmp_path / "no-model", trainer_processes=2)  # the helper loads the model from here
     with pytest.raises(TrainingError, match="rank 1 \\(exit code 1\\) exited during start-up"):
-        Replicas(c, policy, build_optimizer(policy, c))
+        Replicas(c, policy, build_optimizer(policy, c.optim))
     assert not dist.is_initialized()
 
 

@@ -199,22 +199,28 @@ def test_a_run_without_a_drafter_says_why_and_what_to_change(tmp_path, capsys):
     """Regression: export-drafter on a run that never trained a drafter said only that it "holds no drafter"."""
     import json
 
-    def run_dir(name, metrics=(), **config):
+    from tlt.config import override, to_dict
+    from tlt.rl.config import TrainConfig
+
+    def run_dir(name, metrics=(), changes=None, config=None):
+        """A run folder whose config.json is `config` (as written), else TrainConfig with `changes`."""
         folder = tmp_path / name
         folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({"model": "m", "speculative": "adaptive", "drafter": "random",
-                                                        "drafter_train": "acceptance", "drafter_min_pairs": 2048,
-                                                        **config}))
+        base = TrainConfig(model="m", speculative="adaptive")
+        config = config or to_dict(override(base, {"drafter.model": "random", **(changes or {})}))
+        (folder / "config.json").write_text(json.dumps(config))
         (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(metrics)))
         return folder
 
     cases = {
-        "speculative=off": run_dir("off", speculative="off"),
-        "n-gram drafts only (drafter='auto')": run_dir("auto", drafter="auto"),
-        "drafter_train=off": run_dir("frozen", drafter_train="off"),
-        "at most 700 pairs, fewer than drafter_min_pairs=2048": run_dir(
+        "speculative=off": run_dir("off", changes={"speculative": "off"}),
+        "n-gram drafts only (drafter.model='auto')": run_dir("auto", changes={"drafter.model": "auto"}),
+        "drafter.train=off": run_dir("frozen", changes={"drafter.train": "off"}),
+        "at most 700 pairs, fewer than drafter.min_pairs=2048": run_dir(
             "few", [{"drafter_buffer_pairs": 300}, {"drafter_buffer_pairs": 700}]),
         "no drafter phase ran in 1 steps": run_dir("idle", [{"drafter_buffer_pairs": 5000, "drafter_phase_steps": 0}]),
+        "did not train its drafter (drafter.train=off)": run_dir("flat", config={  # the layout before groups
+            "model": "m", "speculative": "adaptive", "drafter": "random", "drafter_train": "off"}),
     }
     for why, folder in cases.items():
         assert main(["export-drafter", str(folder), str(tmp_path / "out")]) == 2

@@ -10,8 +10,13 @@ def response_bytes(n):
     return ENTRY_BYTES + 4 * n
 
 
+def megabytes(n_bytes):
+    """`n_bytes` in the unit of HistoryConfig.mb (exact: a power-of-two divisor)."""
+    return n_bytes / (1 << 20)
+
+
 def test_keeps_the_last_responses_per_prompt_oldest_first():
-    store = HistoryStore(HistoryConfig(responses_per_prompt=3))
+    store = HistoryStore(HistoryConfig(responses=3))
     store.add([1, 2], [[10], [11]], version=0)
     store.add([1, 2], [[12], [13]], version=1)
     store.add([3], [[20]], version=1)
@@ -21,7 +26,7 @@ def test_keeps_the_last_responses_per_prompt_oldest_first():
 
 
 def test_evicts_the_oldest_responses_of_the_whole_store_by_bytes():
-    store = HistoryStore(HistoryConfig(responses_per_prompt=10, max_bytes=3 * response_bytes(5)))
+    store = HistoryStore(HistoryConfig(responses=10, mb=megabytes(3 * response_bytes(5))))
     store.add([1], [[1] * 5, [2] * 5], version=0)
     store.add([2], [[3] * 5], version=1)
     assert store.nbytes == 3 * response_bytes(5)
@@ -52,7 +57,7 @@ def test_window_holds_the_most_recent_responses_of_any_prompt():
 
 
 def test_state_round_trip_continues_identically():
-    config = HistoryConfig(responses_per_prompt=2, max_bytes=6 * response_bytes(3))
+    config = HistoryConfig(responses=2, mb=megabytes(6 * response_bytes(3)))
     store = HistoryStore(config)
     for step in range(5):
         store.add([step % 3], [[step, step + 1, step + 2], [9, step, 9]], version=step)
@@ -65,9 +70,9 @@ def test_state_round_trip_continues_identically():
 
 
 def test_restoring_into_smaller_bounds_keeps_the_newest():
-    store = HistoryStore(HistoryConfig(responses_per_prompt=4))
+    store = HistoryStore(HistoryConfig(responses=4))
     store.add([1], [[1], [2], [3], [4]], 0)
-    small = HistoryStore(HistoryConfig(responses_per_prompt=2, max_bytes=10 * response_bytes(1)))
+    small = HistoryStore(HistoryConfig(responses=2, mb=megabytes(10 * response_bytes(1))))
     small.load_state_dict(store.state_dict())
     assert small.responses([1]) == [[3], [4]]
 
@@ -75,10 +80,10 @@ def test_restoring_into_smaller_bounds_keeps_the_newest():
 def test_prompt_key_is_stable_and_config_checked():
     assert prompt_key([1, 2, 3]) == prompt_key([1, 2, 3]) != prompt_key([1, 2, 4])
     assert prompt_key([1, 2, 3]) == "e2e2033ae7e19d680599d4eb0a1359a2"  # the same in every process and run
-    with pytest.raises(ConfigError, match="responses_per_prompt"):
-        HistoryConfig(responses_per_prompt=0)
-    with pytest.raises(ConfigError, match="max_bytes"):
-        HistoryConfig(max_bytes=True)
+    with pytest.raises(ConfigError, match="field 'responses' must be an integer >= 0"):
+        HistoryConfig(responses=-1)
+    with pytest.raises(ConfigError, match="field 'mb' must be a finite number"):
+        HistoryConfig(mb=True)
 
 
 def test_a_run_drafts_from_earlier_epochs_and_resumes_with_the_same_history(tmp_path):
@@ -110,9 +115,9 @@ def test_a_run_drafts_from_earlier_epochs_and_resumes_with_the_same_history(tmp_
 def test_history_is_kept_only_when_an_arm_drafts_from_it(tmp_path):
     from rl_fixtures import tiny_config
 
-    assert tiny_config(tmp_path, speculative="on", strategy="ngram-d4").history() is None
-    assert tiny_config(tmp_path, speculative="adaptive", tuner_arms=("off", "suffix-d16-v32")).history() is not None
-    assert tiny_config(tmp_path, speculative="adaptive", tuner_arms=("off", "suffix-d16-v32"),
-                       history_responses=0).history() is None
-    with pytest.raises(ConfigError, match="history_mb"):
-        tiny_config(tmp_path, speculative="on", strategy="suffix-d16-v32", history_mb=0)
+    assert not tiny_config(tmp_path, speculative="on", strategy="ngram-d4").drafts_from_history()
+    assert tiny_config(tmp_path, speculative="adaptive", tuner={"arms": ("off", "suffix-d16-v32")}).drafts_from_history()
+    assert not tiny_config(tmp_path, speculative="adaptive", tuner={"arms": ("off", "suffix-d16-v32")},
+                           history={"responses": 0}).drafts_from_history()
+    with pytest.raises(ConfigError, match="field 'history.mb' must be > 0"):
+        tiny_config(tmp_path, speculative="on", strategy="suffix-d16-v32", history={"mb": 0})

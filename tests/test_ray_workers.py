@@ -8,10 +8,10 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tlt.rl.config import TrainConfig  # noqa: E402
+from tlt.rl.config import OptimConfig, TrainConfig  # noqa: E402
 from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from tlt.spot.config import SpotConfig  # noqa: E402
 from tlt.spot.rollout import DrafterLearning, PooledRollout  # noqa: E402
-from tlt.spot.trainer import SpotConfig  # noqa: E402
 from tlt.spot.workers import RayPool, WorkerSpec, start_ray  # noqa: E402
 
 from rl_fixtures import save_tiny_policy  # noqa: E402
@@ -125,7 +125,7 @@ def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir, 
     from tlt.model import load_model
     from tlt.speculative.drafter import Drafter, DrafterConfig
 
-    config = SpotConfig(when="every", min_pairs=1, lr=3e-3, batch_tokens=128, rows=2, window=32)
+    config = SpotConfig(train="every", min_pairs=1, lr=3e-3, batch_tokens=128, rows=2, window=32)
     target = load_model(model_dir)
     drafter, layers = "random", None
     if eagle3:
@@ -167,13 +167,13 @@ def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir, 
 def test_grpo_on_two_ray_workers_runs_and_resumes(model_dir, tmp_path):
     from tlt.rl.run import train
 
-    fields = dict(model=str(model_dir), drafter="random", speculative="adaptive", workers=2,
-                  reward="reward_fixtures:digit_fraction", train_problems=32, prompts_per_step=4, group_size=4,
-                  max_response_tokens=16, eval_every=0, save_every=1, lr=1e-2, steps=2, drafter_train="every",
-                  drafter_min_pairs=1, drafter_batch_tokens=128, drafter_window=32)
+    config = TrainConfig(model=str(model_dir), speculative="adaptive", workers=2,
+                         reward="reward_fixtures:digit_fraction", train_problems=32, prompts_per_step=4, group_size=4,
+                         max_response_tokens=16, eval_every=0, save_every=1, steps=2, optim=OptimConfig(lr=1e-2),
+                         drafter=SpotConfig(model="random", train="every", min_pairs=1, batch_tokens=128, window=32))
     run = tmp_path / "run"
-    train(TrainConfig(**fields), run, log=lambda *_: None, stop_after=1)
-    trainer = train(TrainConfig(**fields), run, resume=True, log=lambda *_: None)
+    train(config, run, log=lambda *_: None, stop_after=1)
+    trainer = train(config, run, resume=True, log=lambda *_: None)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(len(r["workers"]["shares"]) == 2 for r in rows)

@@ -10,8 +10,10 @@ from tlt.cli import main
 from tlt.errors import ConfigError
 from tlt.report import write_report
 from tlt.rl import TrainConfig
+from tlt.rl.config import OptimConfig
 from tlt.rl.metrics import MetricsLog
 from tlt.rl.run import train
+from tlt.spot import SpotConfig
 
 FIGURES = ("learning.png", "lengths.png", "step_time.png", "acceptance.png", "strategies.png")
 
@@ -32,9 +34,9 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("report")
     save_tiny_policy(root / "model")
-    common = dict(model=str(root / "model"), drafter=None, workers=1, reward="reward_fixtures:digit_fraction", train_problems=32,
+    common = dict(model=str(root / "model"), workers=1, reward="reward_fixtures:digit_fraction", train_problems=32,
                   prompts_per_step=4, group_size=4, max_response_tokens=16, eval_problems=4, eval_samples=2,
-                  eval_every=1, save_every=0, lr=1e-2, steps=2)
+                  eval_every=1, save_every=0, steps=2, drafter=SpotConfig(model=None), optim=OptimConfig(lr=1e-2))
     train(TrainConfig(speculative="on", strategy="ngram-d4", **common), root / "on", log=lambda *_: None)
     with pytest.MonkeyPatch.context() as mp:
         wandb_offline(mp, root)
@@ -143,3 +145,17 @@ def test_a_run_on_a_user_dataset_names_the_dataset_not_the_builtin_task(runs, tm
     assert "| dataset | data/train.jsonl |" in text and "| task |" not in text
     assert "| task | arithmetic |" in write_report(runs / "on").read_text()
     assert "metrics.jsonl line 4: incomplete last row" in capsys.readouterr().err
+
+
+def test_a_flat_config_of_the_previous_release_shows_the_same_highlights(runs, tmp_path):
+    """config.json of a run written before groups holds flat keys (lr, drafter): the report reads them
+    under their dotted names."""
+    from pathlib import Path
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text((runs / "on" / "metrics.jsonl").read_text())
+    flat = json.loads((Path(__file__).parent / "flat_run_config.json").read_text())
+    (tmp_path / "old" / "config.json").write_text(json.dumps({**flat, "lr": 0.01, "drafter": "default"}))
+    text = write_report(tmp_path / "old").read_text()
+    assert "| optim.lr | 0.01 |" in text and "| drafter.model | default |" in text
+    assert "| optim.lr | 0.01 |" in write_report(runs / "on").read_text()  # the nested layout of this release

@@ -103,7 +103,7 @@ def test_a_kill_at_any_moment_resumes_with_every_step_once(model_dir, whole, tmp
 def test_a_torn_newest_checkpoint_falls_back_to_the_previous_one(model_dir, tmp_path, damaged):
     """Regression: a torn tuner.json gave a traceback, and no torn file let resume use the previous
     complete checkpoint."""
-    fields = dict(FIELDS, speculative="adaptive", tuner_arms=("off", "ngram-d4"), eval_every=0)
+    fields = dict(FIELDS, speculative="adaptive", tuner={"arms": ("off", "ngram-d4")}, eval_every=0)
     config = tiny_config(model_dir, **fields)
     whole = train(config, tmp_path / "whole", log=lambda *_: None).metrics
     run = tmp_path / "run"

@@ -21,8 +21,9 @@ from tlt.speculative.drafter import Drafter
 from tlt.speculative.strategy import Strategy
 from tlt.spot.buffer import Entry, OnlineBuffer, favour_long, keep_recent, sampled_batches
 from tlt.spot.coordinator import Coordinator, WorkerState
-from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer, _snapshot,
-                              latest_drafter_checkpoint, load_checkpoint, write_checkpoint)
+from tlt.spot.config import SpotConfig
+from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotTrainer, _snapshot, latest_drafter_checkpoint,
+                              load_checkpoint, write_checkpoint)
 from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
 
 
@@ -31,7 +32,7 @@ def record(n: int, H: int = 4, fill: float = 0.0) -> DraftRecord:
 
 
 def small(**fields) -> SpotConfig:
-    base = dict(when="every", min_pairs=1, lr=3e-3, warmup_steps=0, batch_tokens=128, rows=2, window=32, unroll=1)
+    base = dict(train="every", min_pairs=1, lr=3e-3, warmup_steps=0, batch_tokens=128, rows=2, window=32, unroll=1)
     base.update(fields)
     return SpotConfig(**base)
 
@@ -94,7 +95,7 @@ def test_acceptance_schedule_ignores_single_noisy_rollouts():
     """Per-rollout acceptance swings by +-15% on the default workload; judged one rollout at a time
     against the best ever, that noise alone kept a converged drafter training. A lone high or low
     rollout moves no decision, and a flat but noisy series trains on a minority of steps."""
-    acc = Schedule(small(when="acceptance", fraction=0.9))
+    acc = Schedule(small(train="acceptance", train_fraction=0.9))
     for a in (3.0, 3.1, 3.0, 3.05, 3.0):
         acc.observe(a)
     assert not acc.due(0, 10)
@@ -111,11 +112,11 @@ def test_acceptance_schedule_ignores_single_noisy_rollouts():
 
 
 def test_schedule_modes():
-    every = Schedule(small(when="every", min_pairs=100))
+    every = Schedule(small(train="every", min_pairs=100))
     assert not every.due(0, 99) and every.due(0, 100)
-    n = Schedule(small(when="every-N", every=3))
+    n = Schedule(small(train="every-N", train_every=3))
     assert [n.due(s, 10) for s in range(6)] == [True, False, False, True, False, False]
-    acc = Schedule(small(when="acceptance", fraction=0.9))
+    acc = Schedule(small(train="acceptance", train_fraction=0.9))
     assert acc.due(0, 10)  # nothing measured yet
     acc.observe(3.0)
     assert acc.due(1, 10)  # a first best: still learning
@@ -130,15 +131,15 @@ def test_schedule_modes():
     acc.observe(3.5)
     acc.observe(3.5)  # the phases helped a lot (level 3.5): keep training
     assert acc.due(6, 10)
-    restored = Schedule(small(when="acceptance"))
+    restored = Schedule(small(train="acceptance"))
     restored.load_state_dict(acc.state_dict())
     assert restored.due(7, 10) and restored.best == 3.5 and restored.recent == acc.recent
     old_state = {"best": 3.5, "last": 3.5, "improving": False}  # saved before levels were medians
     restored.load_state_dict(old_state)
     assert restored.recent == [3.5] and not restored.due(8, 10)
-    assert not Schedule(small(when="off")).due(0, 10**6)
-    with pytest.raises(ConfigError, match="when"):
-        SpotConfig(when="sometimes")
+    assert not Schedule(small(train="off")).due(0, 10**6)
+    with pytest.raises(ConfigError, match="field 'train' must be one of"):
+        SpotConfig(train="sometimes")
     with pytest.raises(ConfigError, match="batch_tokens"):
         SpotConfig(batch_tokens=100, rows=4, window=256)
 
@@ -344,7 +345,8 @@ KILL_SCRIPT = textwrap.dedent("""
     import sys, torch
     from tlt.model import ModelConfig, Transformer
     from tlt.speculative.drafter import Drafter
-    from tlt.spot.trainer import DrafterCheckpointer, SpotConfig, SpotTrainer
+    from tlt.spot.config import SpotConfig
+    from tlt.spot.trainer import DrafterCheckpointer, SpotTrainer
     torch.manual_seed(0)
     target = Transformer(ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=61, hidden_size=256,
         intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

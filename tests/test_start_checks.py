@@ -10,7 +10,7 @@ import pytest
 from chat_tokenizer import BYTE_VOCAB, build_byte_tokenizer
 from conftest import tiny_hf_model
 from tlt.cli import main
-from tlt.config import build, from_dict
+from tlt.config import build, from_dict, override, to_dict
 from tlt.errors import ConfigError, TltError
 from tlt.rl import GRPOTrainer, TrainConfig
 
@@ -23,9 +23,9 @@ def model_dir(tmp_path_factory):
 
 
 def cli_args(model_dir, **overrides):
-    fields = dict(model=model_dir, drafter="none", speculative="off", workers=1,
-                  reward="reward_fixtures:digit_fraction", train_problems=16, prompts_per_step=2, group_size=2,
-                  max_response_tokens=6, eval_every=0, save_every=1, steps=1)
+    fields = {"model": model_dir, "drafter.model": "none", "speculative": "off", "workers": 1,
+              "reward": "reward_fixtures:digit_fraction", "train_problems": 16, "prompts_per_step": 2, "group_size": 2,
+              "max_response_tokens": 6, "eval_every": 0, "save_every": 1, "steps": 1}
     fields.update(overrides)
     return [f"{k}={v}" for k, v in fields.items()]
 
@@ -107,9 +107,9 @@ def test_a_value_is_blamed_on_where_it_came_from(tmp_path):
     (tmp_path / "run.yaml").write_text("group_size: 1\n")
     with pytest.raises(ConfigError, match=r"run.yaml: field 'group_size' must be >= 2"):
         build(TrainConfig, tmp_path / "run.yaml", ["steps=3"])
-    with pytest.raises(ConfigError, match=r"^run/config.json and command line: field 'mini_batches' \(8\) must be"):
-        from_dict(TrainConfig, {"prompts_per_step": 4, "mini_batches": "8"}, "run/config.json",
-                  {"mini_batches": "command line"})
+    with pytest.raises(ConfigError, match=r"^run/config.json and command line: field 'optim.mini_batches' \(8\) must"):
+        from_dict(TrainConfig, {"prompts_per_step": 4, "optim.mini_batches": "8"}, "run/config.json",
+                  {"optim.mini_batches": "command line"})
 
 
 def test_an_unknown_key_names_the_closest_field_not_all_of_them():
@@ -118,7 +118,7 @@ def test_an_unknown_key_names_the_closest_field_not_all_of_them():
         from_dict(TrainConfig, {"prompt_per_step": "4"})
     message = str(caught.value)
     assert "unknown field 'prompt_per_step'" in message and "did you mean 'prompts_per_step'?" in message
-    assert "drafter_buffer_mb" not in message and len(message) < 200
+    assert "drafter.buffer_mb" not in message and len(message) < 200
     with pytest.raises(ConfigError, match="'xyzzy'.*no field has a similar name.*tlt.rl.config.TrainConfig"):
         from_dict(TrainConfig, {"xyzzy": "1"})
 
@@ -144,11 +144,13 @@ def test_a_reward_failing_on_every_row_shows_in_the_table_and_stops_the_run(mode
 
 @pytest.mark.parametrize("fields, message", [
     (dict(speculative="on", strategy="bushy-d3"), "field 'strategy' 'bushy-d3': Strategy field 'kind'"),
-    (dict(speculative="on", strategy="tree-d4-k2-v8"), "'tree-d4-k2-v8' drafts with a learned drafter, but drafter is None"),
-    (dict(speculative="adaptive", drafter="nowhere"), "field 'drafter' 'nowhere': no such folder"),
-    (dict(speculative="adaptive", drafter="default"), r"drafter_config.json \(field 'drafter'\): field 'hidden_size' is 192"),
-    (dict(speculative="on", strategy="chain-d2", drafter="random", drafter_buffer_evict="no_such_module:keep"),
-     "field 'drafter_buffer_evict' 'no_such_module:keep': cannot import"),
+    (dict(speculative="on", strategy="tree-d4-k2-v8"),
+     "'tree-d4-k2-v8' drafts with a learned drafter, but drafter.model is None"),
+    ({"speculative": "adaptive", "drafter.model": "nowhere"}, "field 'drafter.model' 'nowhere': no such folder"),
+    ({"speculative": "adaptive", "drafter.model": "default"},
+     r"drafter_config.json \(field 'drafter.model'\): field 'hidden_size' is 192"),
+    ({"speculative": "on", "strategy": "chain-d2", "drafter": {"model": "random", "buffer_evict": "no_such_module:keep"}},
+     "field 'drafter.buffer_evict' 'no_such_module:keep': cannot import"),
 ])
 def test_settings_that_cannot_work_fail_before_any_weights_load(model_dir, monkeypatch, fields, message):
     """Regression: a tree strategy without a drafter failed after the model loaded, with a ValueError
@@ -160,7 +162,7 @@ def test_settings_that_cannot_work_fail_before_any_weights_load(model_dir, monke
 
     monkeypatch.setattr(tlt.model, "load_model", no_weights)
     with pytest.raises(TltError, match=message):
-        GRPOTrainer(from_dict(TrainConfig, {**vars(tiny_config(model_dir)), **fields}), log=lambda *_: None)
+        GRPOTrainer(from_dict(TrainConfig, {**to_dict(tiny_config(model_dir)), **fields}), log=lambda *_: None)
 
 
 def test_a_group_larger_than_max_batch_size_runs(model_dir):
@@ -188,12 +190,12 @@ def test_accuracy_counts_rewards_at_or_above_the_threshold(model_dir):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"lr": "nan"}, "field 'lr' must be a finite number, got nan"),
+    ({"optim.lr": "nan"}, "field 'optim.lr' must be a finite number, got nan"),
     ({"reward_timeout_s": "inf"}, "field 'reward_timeout_s' must be a finite number"),
     ({"top_p": "0"}, r"field 'top_p' must be in \(0, 1\]"),
     ({"top_k": "0"}, "field 'top_k' must be -1"),
-    ({"beta2": "1"}, r"field 'beta2' must be in \[0, 1\)"),
-    ({"grad_clip": "0"}, "field 'grad_clip' must be > 0"),
+    ({"optim.beta2": "1"}, r"field 'optim.beta2' must be in \[0, 1\)"),
+    ({"optim.grad_clip": "0"}, "field 'optim.grad_clip' must be > 0"),
 ])
 def test_train_config_refuses_values_that_would_fail_or_mislead_later(fields, message):
     """Regression: NaN passed every `x <= 0` check (lr=nan trained on NaN), top_p/top_k failed only when
@@ -259,3 +261,30 @@ def test_resume_reads_run_folders_that_hold_a_retired_setting(tmp_path):
         resume_config(tmp_path)
     with pytest.raises(ConfigError, match="not a run directory"):
         resume_config(tmp_path / "nope")
+
+
+def test_a_run_whose_config_json_has_the_flat_keys_of_the_previous_release_resumes(model_dir, tmp_path):
+    """config.json as the release before groups wrote it (every key flat: lr, drafter, drafter_train, ...):
+    --resume reads it without a warning (tlt wrote those keys, not the user) and writes it back nested."""
+    import warnings
+    from pathlib import Path
+
+    from tlt.rl.run import resume_config
+
+    flat = json.loads((Path(__file__).parent / "flat_run_config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**flat, "lr": 0.01, "drafter_train": "off", "tuner_epsilon": 0.5}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = resume_config(tmp_path, ["steps=5"])
+    assert config == override(TrainConfig(), {"steps": 5, "optim.lr": 0.01, "drafter.train": "off",
+                                              "tuner.epsilon": 0.5})
+    run = tmp_path / "run"
+    args = cli_args(model_dir)
+    assert main(["train", "--out", str(run), *args]) == 0
+    fields = dict(arg.split("=", 1) for arg in args)
+    fields["drafter"] = fields.pop("drafter.model")
+    (run / "config.json").write_text(json.dumps({**flat, **fields}))
+    assert main(["train", "--resume", str(run), "steps=2"]) == 0
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    written = json.loads((run / "config.json").read_text())
+    assert written["drafter"]["model"] is None and written["optim"]["lr"] == 1e-4 and "drafter_train" not in written

@@ -2,14 +2,13 @@
 the engine with their version, resume is exact, a non-finite loss stops the run with the last good
 checkpoint intact, and bad config fails at start naming the key."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
 from tlt.adaptive import TunerConfig
-from tlt.config import from_dict
+from tlt.config import from_dict, override, to_dict
 from tlt.errors import ConfigError, StaleWeightsError, TrainingError
 from tlt.rl import GRPOTrainer, TrainConfig
 from tlt.rl.checkpoint import latest_checkpoint
@@ -27,10 +26,14 @@ def config(model_dir, **overrides):
     return tiny_config(model_dir, **overrides)
 
 
+# A fresh drafter, trained at every step on small batches (the tiny model's responses are short)
+LEARNING = {"model": "random", "train": "every", "min_pairs": 1, "batch_tokens": 128, "window": 32}
+
+
 @pytest.mark.parametrize("old_logprobs", ["rollout", "recompute"])
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
 def test_importance_ratio_starts_at_one(model_dir, old_logprobs, warp):
-    trainer = GRPOTrainer(config(model_dir, old_logprobs=old_logprobs, **warp))
+    trainer = GRPOTrainer(config(model_dir, loss={"old_logprobs": old_logprobs}, **warp))
     row = trainer.train_step()
     assert row["ratio_first_max_dev"] < 1e-3
     assert row["loss"] != 0.0  # the reward varies, so there was something to learn from
@@ -38,7 +41,7 @@ def test_importance_ratio_starts_at_one(model_dir, old_logprobs, warp):
 
 
 def test_weights_reach_the_engine_with_their_version(model_dir):
-    trainer = GRPOTrainer(config(model_dir, old_logprobs="rollout"))
+    trainer = GRPOTrainer(config(model_dir, loss={"old_logprobs": "rollout"}))
     before = {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
     trainer.train_step()
     assert trainer.engine.weights_version == trainer.step == 1
@@ -52,8 +55,8 @@ def test_weights_reach_the_engine_with_their_version(model_dir):
 
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_kl_and_entropy_terms_run(model_dir, mini_batches):
-    trainer = GRPOTrainer(config(model_dir, kl_coef=0.05, entropy_coef=0.01, aggregation="sequence",
-                                 mini_batches=mini_batches))
+    trainer = GRPOTrainer(config(model_dir, loss={"kl_coef": 0.05, "entropy_coef": 0.01, "aggregation": "sequence"},
+                                 optim={"mini_batches": mini_batches}))
     first = trainer.train_step()
     second = trainer.train_step()
     if mini_batches == 1:  # the policy equals the reference until the step's only optimizer step
@@ -119,15 +122,15 @@ def test_run_directory_holds_metrics_checkpoints_and_eval(model_dir, tmp_path):
 @pytest.mark.parametrize("fields, message", [
     ({"promts_per_step": "4"}, "promts_per_step"),
     ({"group_size": "1"}, "'group_size'"),
-    ({"aggregation": "mean"}, "'aggregation'"),
-    ({"lr": "fast"}, "'lr'"),
+    ({"loss.aggregation": "mean"}, "'loss.aggregation'"),
+    ({"optim.lr": "fast"}, "'optim.lr'"),
     ({"speculative": "on"}, "strategy"),
     ({"device": "gpu"}, "field 'device' must be auto, cpu, cuda or cuda:N, got 'gpu'"),
-    ({"tuner_explore": "greedy"}, "field 'tuner_explore' must be one of"),
-    ({"tuner_arms": "chain-d4,ngram-d4"}, "field 'tuner_arms' must include 'off'"),
-    ({"tuner_arms": "off,bushy-d3"}, "field 'tuner_arms'.*bushy"),
-    ({"catch_up_window": "-1"}, "field 'catch_up_window' must be an integer >= 0"),
-    ({"drafter_unroll": "0"}, "'unroll' must be >= 1.*drafter_"),
+    ({"tuner.explore": "greedy"}, "field 'tuner.explore' must be one of"),
+    ({"tuner.arms": "chain-d4,ngram-d4"}, "field 'tuner.arms' must include 'off'"),
+    ({"tuner.arms": "off,bushy-d3"}, "field 'tuner.arms'.*bushy"),
+    ({"drafter.catch_up_window": "-1"}, "field 'drafter.catch_up_window' must be an integer >= 0"),
+    ({"drafter.unroll": "0"}, "field 'drafter.unroll' must be an integer >= 1"),
 ])
 def test_bad_config_names_the_key(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -175,7 +178,8 @@ def test_skipping_zero_advantage_responses_leaves_the_update_unchanged(model_dir
 
     results = {}
     for skip in (True, False):
-        trainer = GRPOTrainer(config(model_dir, reward="test-sparse", skip_zero_advantage=skip, mini_batches=2))
+        trainer = GRPOTrainer(config(model_dir, reward="test-sparse", loss={"skip_zero_advantage": skip},
+                                     optim={"mini_batches": 2}))
         row = trainer.train_step()
         results[skip] = ({k: v.clone() for k, v in trainer.policy.state_dict().items()}, row)
         trainer.close()
@@ -191,7 +195,7 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "bad"), "promts_per_step=4"]) == 2
     assert "promts_per_step" in capsys.readouterr().err
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
-    args = [f"model={model_dir}", "drafter=none", "speculative=off", "workers=1", "reward=reward_fixtures:digit_fraction",
+    args = [f"model={model_dir}", "drafter.model=none", "speculative=off", "workers=1", "reward=reward_fixtures:digit_fraction",
             "train_problems=16", "prompts_per_step=2", "group_size=2", "max_response_tokens=6", "eval_every=0",
             "save_every=1", "steps=1"]
     assert main(["train", "--out", str(tmp_path / "run"), *args]) == 0
@@ -203,9 +207,9 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
 
 def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_dir):
     lines = []
-    c = from_dict(TrainConfig, {**vars(config(model_dir, drafter="auto", speculative="adaptive")),
-                                "tuner_arms": "off,ngram-d4", "tuner_epsilon": "0.3", "tuner_explore": "uniform",
-                                "catch_up_window": "0"})
+    c = from_dict(TrainConfig, {**to_dict(config(model_dir, drafter={"model": "auto"}, speculative="adaptive")),
+                                "tuner": {"arms": "off,ngram-d4", "epsilon": "0.3", "explore": "uniform"},
+                                "drafter.catch_up_window": "0"})
     trainer = GRPOTrainer(c, log=lines.append)
     assert trainer.engine.decoder.spec.drafter is None
     assert trainer.engine.tuner.config == TunerConfig(arms=("off", "ngram-d4"), epsilon=0.3, explore="uniform")
@@ -234,8 +238,7 @@ def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp
     time); `compare` runs off / tlt / frozen side by side and reports the alignment figures."""
     from tlt.bench.e2e import alignment, cold_start, compare, matching_steps
 
-    c = config(model_dir, drafter="random", speculative="adaptive", drafter_train="every", drafter_min_pairs=1,
-               drafter_batch_tokens=128, drafter_window=32, drafter_local_steps=3, steps=2, eval_every=2,
+    c = config(model_dir, speculative="adaptive", drafter={**LEARNING, "local_steps": 3}, steps=2, eval_every=2,
                max_response_tokens=24)
     result = compare(c, "adaptive", tmp_path / "bench", log=lambda *_: None)
     assert result["runs"] == ["off", "tlt", "frozen"]
@@ -280,9 +283,9 @@ def test_adaptive_speculation_reproduces_the_plain_run(model_dir):
     step, and bit-identical weights after it."""
     runs = {}
     for speculative in ("off", "adaptive"):
-        trainer = GRPOTrainer(config(model_dir, speculative=speculative, drafter="random", drafter_train="off",
-                                     old_logprobs="recompute", temperature=1.0, max_response_tokens=24,
-                                     tuner_epsilon=0.5))
+        trainer = GRPOTrainer(config(model_dir, speculative=speculative, drafter={"model": "random", "train": "off"},
+                                     loss={"old_logprobs": "recompute"}, temperature=1.0, max_response_tokens=24,
+                                     tuner={"epsilon": 0.5}))
         rows = [trainer.train_step() for _ in range(3)]
         runs[speculative] = (rows, {k: v.clone() for k, v in trainer.policy.state_dict().items()},
                              set(trainer.engine.stats()["strategies"]))
@@ -297,9 +300,8 @@ def test_adaptive_speculation_reproduces_the_plain_run(model_dir):
 
 
 def test_buffer_policies_plug_in_by_import_path(model_dir):
-    c = config(model_dir, drafter="random", speculative="adaptive", drafter_train="every", drafter_min_pairs=1,
-               drafter_batch_tokens=128, drafter_window=32, drafter_local_steps=1, steps=1,
-               drafter_buffer_sample="reward_fixtures:shortest_first")
+    c = config(model_dir, speculative="adaptive", steps=1,
+               drafter={**LEARNING, "local_steps": 1, "buffer_sample": "reward_fixtures:shortest_first"})
     trainer = GRPOTrainer(c, log=lambda *_: None)
     try:
         trainer.train_step()
@@ -307,8 +309,8 @@ def test_buffer_policies_plug_in_by_import_path(model_dir):
         assert buffer.sample(buffer.entries) == [1.0 / e.pairs for e in buffer.entries]
     finally:
         trainer.close()
-    with pytest.raises(ConfigError, match="drafter_buffer_evict"):
-        GRPOTrainer(config(model_dir, drafter="random", speculative="adaptive", drafter_buffer_evict="nowhere:fn"))
+    with pytest.raises(ConfigError, match="drafter.buffer_evict"):
+        GRPOTrainer(config(model_dir, speculative="adaptive", drafter={"model": "random", "buffer_evict": "nowhere:fn"}))
 
 
 def test_resume_with_drafter_training_trains_on_the_saved_buffer(model_dir, tmp_path):
@@ -319,13 +321,13 @@ def test_resume_with_drafter_training_trains_on_the_saved_buffer(model_dir, tmp_
         timing = ("tokens_per_s", "eval_time_s", "drafter_phase_s", "drafter_stop_latency_s")
         return {k: v for k, v in row.items() if not k.startswith("time_") and k not in timing}
 
-    fields = dict(drafter="random", speculative="on", strategy="tree-d3-k2-v4", drafter_train="every",
-                  drafter_min_pairs=1, drafter_batch_tokens=128, drafter_window=32, drafter_local_steps=2,
-                  steps=3, save_every=1, eval_every=0, max_response_tokens=24)
-    whole = train(config(model_dir, **fields), tmp_path / "whole", log=lambda *_: None).metrics
+    fields = dict(speculative="on", strategy="tree-d3-k2-v4", steps=3, save_every=1, eval_every=0,
+                  max_response_tokens=24)
+    drafter = {**LEARNING, "local_steps": 2}
+    whole = train(config(model_dir, drafter=drafter, **fields), tmp_path / "whole", log=lambda *_: None).metrics
     for saved in (True, False):
         run = tmp_path / f"buffer-{saved}"
-        c = config(model_dir, drafter_buffer_checkpoint=saved, **fields)
+        c = config(model_dir, drafter={**drafter, "buffer_checkpoint": saved}, **fields)
         train(c, run, log=lambda *_: None, stop_after=2)
         folder = latest_checkpoint(run)
         assert (folder / "drafter_buffer" / "buffer.safetensors").is_file() == saved
@@ -369,10 +371,9 @@ def test_online_training_of_an_eagle3_drafter(model_dir, tmp_path):
     from tlt.speculative import Drafter
 
     Drafter.from_target(load_model(model_dir), feature_layers=(0, 1), seed=1).save(tmp_path / "eagle3")
-    c = config(model_dir, drafter=str(tmp_path / "eagle3"), speculative="on", strategy="chain-d3",
-               drafter_train="every", drafter_min_pairs=1, drafter_batch_tokens=128, drafter_window=32,
-               drafter_local_steps=2, drafter_unroll=2, steps=2)
-    assert c.spot().unroll == 2  # the spot trainer's loss runs two training-time-test rounds
+    c = config(model_dir, speculative="on", strategy="chain-d3", steps=2,
+               drafter={**LEARNING, "model": str(tmp_path / "eagle3"), "local_steps": 2, "unroll": 2})
+    assert c.drafter.loss_config().unroll == 2  # the spot trainer's loss runs two training-time-test rounds
     trainer = GRPOTrainer(c, log=lambda *_: None)
     try:
         rows = [trainer.train_step() for _ in range(2)]
@@ -389,13 +390,15 @@ def test_compare_in_bfloat16_against_a_float32_baseline(model_dir, tmp_path):
     plain decoding in float32 with the engine's own log-probs, and the ratios compare tlt with it."""
     from tlt.bench.e2e import compare
 
-    c = config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", drafter="random",
-               speculative="adaptive", drafter_train="off", steps=2, eval_every=2, max_response_tokens=16)
+    c = config(model_dir, rollout_dtype="bfloat16", loss={"old_logprobs": "recompute"},
+               drafter={"model": "random", "train": "off"}, speculative="adaptive", steps=2, eval_every=2,
+               max_response_tokens=16)
     result = compare(c, "adaptive", tmp_path / "bench", log=lambda *_: None, runs=("off", "tlt"),
                      baseline_dtype="float32")
     assert result["runs"] == ["off", "tlt", "off_float32"]
     baseline = json.loads((tmp_path / "bench" / "off_float32" / "config.json").read_text())
-    assert (baseline["rollout_dtype"], baseline["old_logprobs"], baseline["speculative"]) == ("float32", "rollout", "off")
+    assert (baseline["rollout_dtype"], baseline["loss"]["old_logprobs"], baseline["speculative"]) == \
+        ("float32", "rollout", "off")
     assert json.loads((tmp_path / "bench" / "tlt" / "config.json").read_text())["rollout_dtype"] == "bfloat16"
     ratios, times = result["ratios"], result["curves"]
     assert ratios["speedup_vs_off_float32"] == pytest.approx(sum(times["off_float32"]["step_time_s"]) /
@@ -408,7 +411,7 @@ def test_compare_in_bfloat16_against_a_float32_baseline(model_dir, tmp_path):
     assert ratios["rollout_speedup_vs_off_float32"] == pytest.approx(breakdown["off_float32"]["rollout"] /
                                                                      breakdown["tlt"]["rollout"])
     # the same dtype as the shared runs adds nothing
-    same = compare(dataclasses.replace(c, steps=1, eval_every=1), "adaptive", None, log=lambda *_: None,
+    same = compare(override(c, {"steps": 1, "eval_every": 1}), "adaptive", None, log=lambda *_: None,
                    runs=("tlt",), baseline_dtype="bfloat16")
     assert same["runs"] == ["tlt"] and not any(k.endswith("bfloat16") for k in same["ratios"])
 
@@ -417,11 +420,10 @@ def test_rollout_in_bfloat16_with_float32_master_weights(model_dir):
     """rollout_dtype=bfloat16: the engine holds bf16 weights (each sync casts the trainer's fp32 ones),
     old log-probs are recomputed by the trainer, so the first importance ratio is still 1, and the spot
     trainer trains a float32 twin of the engine's bf16 drafter."""
-    with pytest.raises(ConfigError, match="'rollout_dtype'.*old_logprobs=recompute"):
+    with pytest.raises(ConfigError, match="'rollout_dtype'.*loss.old_logprobs=recompute"):
         config(model_dir, rollout_dtype="bfloat16")
-    c = config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", drafter="random", speculative="on",
-               strategy="tree-d3-k2-v4", drafter_train="every", drafter_min_pairs=1, drafter_batch_tokens=128,
-               drafter_window=32, drafter_local_steps=3, steps=2)
+    c = config(model_dir, rollout_dtype="bfloat16", loss={"old_logprobs": "recompute"}, speculative="on",
+               strategy="tree-d3-k2-v4", drafter={**LEARNING, "local_steps": 3}, steps=2)
     trainer = GRPOTrainer(c, log=lambda *_: None)
     try:
         engine_drafter = trainer.engine.drafter
@@ -447,11 +449,11 @@ def test_truncated_importance_sampling_corrects_bf16_rollouts(model_dir):
     and logs the ratio's mean and the share of tokens above the cap; it needs the recomputed pi_old."""
     from tlt.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="tis_cap.*old_logprobs=recompute"):
-        config(model_dir, tis_cap=2.0)
-    with pytest.raises(ConfigError, match="tis_cap"):
-        config(model_dir, tis_cap=0.5, old_logprobs="recompute")
-    c = config(model_dir, rollout_dtype="bfloat16", old_logprobs="recompute", tis_cap=2.0, steps=1)
+    with pytest.raises(ConfigError, match="loss.tis_cap.*loss.old_logprobs=recompute"):
+        config(model_dir, loss={"tis_cap": 2.0})
+    with pytest.raises(ConfigError, match="loss.tis_cap"):
+        config(model_dir, loss={"tis_cap": 0.5, "old_logprobs": "recompute"})
+    c = config(model_dir, rollout_dtype="bfloat16", loss={"old_logprobs": "recompute", "tis_cap": 2.0}, steps=1)
     trainer = GRPOTrainer(c)
     row = trainer.train_step()
     trainer.close()

@@ -16,7 +16,7 @@ builds them into `cache_folder()`:
                             presence with the current recipe's hash means a complete, current build
 
 A build whose recipe hash matches is reused; any other content of the folder is rebuilt. `bench` as a
-model or drafter name (`--model bench`, `model=bench`, `drafter=bench`) resolves here, and fails with
+model or drafter name (`--model bench`, `model=bench`, `drafter.model=bench`) resolves here, and fails with
 a message naming `make bench-model` while the build is missing, incomplete or from another recipe.
 """
 

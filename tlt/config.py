@@ -1,17 +1,27 @@
 """Config plumbing shared by every component: typed dataclasses built from dicts, YAML files and
 `key=value` command-line overrides, rejecting unknown keys and ill-typed values with a message that
-names the source and the field."""
+names the source and the field.
+
+A config composes components: a field whose type is itself a config dataclass is a group, set by
+dotted keys (`drafter.lr=1e-4` on the command line) or a nested mapping (`drafter: {lr: 1e-4}` in
+YAML). Each component checks its own fields in `__post_init__` (`check`, `check_int`, ...) and raises
+`FieldError`, which `from_dict` renames to the dotted key. A class may list the keys of an earlier
+release in `RENAMED` (old key -> dotted key): they still set the new field, with a FutureWarning.
+Fields made with `setting` carry a one-line meaning that `describe` lists.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tlt.errors import ConfigError
+from tlt.errors import ConfigError, FieldError
 
 T = TypeVar("T")
 
@@ -55,27 +65,133 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+def setting(default: Any, meaning: str) -> Any:
+    """A config field with its default and its one-line meaning (what `describe` prints)."""
+    return dataclasses.field(default=default, metadata={"help": meaning})
+
+
+def group(cls: type, meaning: str) -> Any:
+    """A field holding the component config `cls` (its defaults unless given), with its meaning."""
+    return dataclasses.field(default_factory=cls, metadata={"help": meaning})
+
+
+def is_group(annotation: Any) -> bool:
+    return isinstance(annotation, type) and dataclasses.is_dataclass(annotation)
+
+
+def keys(cls: type) -> dict[str, Any]:
+    """Every key of config `cls`, dotted within its groups, -> the type its value is coerced to."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if is_group(hints[f.name]):
+            out.update({f"{f.name}.{k}": t for k, t in keys(hints[f.name]).items()})
+        else:
+            out[f.name] = hints[f.name]
+    return out
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`data` with nested mappings (and config instances) spelled as dotted keys: {"tuner": {"arms": x}}
+    -> {"tuner.arms": x}."""
+    out = {}
+    for key, value in data.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = to_dict(value)
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def renamed_key(cls: type, key: str) -> str:
+    """The dotted key that `key` is now when it is a key of an earlier release `cls.RENAMED` lists."""
+    return getattr(cls, "RENAMED", {}).get(key, key)
+
+
+def upgrade(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """A config file tlt wrote (a run's config.json, nested or flat, of this release or the one before) as
+    this release's dotted keys, without warnings: the user did not write those keys."""
+    return {renamed_key(cls, k): v for k, v in flatten(data).items()}
+
+
 def from_dict(cls: type[T], data: dict[str, Any], source: str = "config",
               sources: dict[str, str] | None = None) -> T:
-    """Build dataclass `cls` from `data`, coercing strings (from YAML or the command line). Errors name
-    where the offending key came from: `sources` maps a key to its origin (a file, "command line"),
-    `source` is the origin of the others."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    origin = {k: (sources or {}).get(k, source) for k in data}
-    unknown = sorted(set(data) - fields)
+    """Build dataclass `cls` from `data` (dotted keys, or nested mappings for groups), coercing strings
+    (from YAML or the command line). A key of an earlier release sets its new field with a FutureWarning.
+    Errors name the dotted key and where it came from: `sources` maps a key to its origin (a file,
+    "command line"), `source` is the origin of the others."""
+    return _build(cls, _gather(cls, data, lambda key: (sources or {}).get(key, source)), source)
+
+
+def compose(cls: type[T], layers: list[tuple[dict[str, Any], str]]) -> T:
+    """`cls` from layers of settings, each (mapping, where it came from), a later layer's value of a key
+    replacing an earlier one's, whichever release's name either spells it with."""
+    given = {}
+    for data, where in layers:
+        given.update(_gather(cls, data, lambda key, where=where: where))
+    return _build(cls, given, layers[0][1] if layers else "config")
+
+
+def _gather(cls: type, data: dict[str, Any], origin: typing.Callable[[str], str]) -> dict[str, tuple[Any, str]]:
+    """`data` as {dotted key: (value, origin)}, the keys of an earlier release under their new names."""
+    out = {}
+    for key, value in flatten(data).items():
+        where, new = origin(key), renamed_key(cls, key)
+        if new != key:
+            warnings.warn(f"{where}: key {key!r} is now {new!r}; the old name goes in the next release",
+                          FutureWarning, stacklevel=3)
+        if new in out:
+            raise ConfigError(f"{where}: {new!r} is given twice (by an old name and the new one); keep {new!r}")
+        out[new] = (value, where)
+    return out
+
+
+def _build(cls: type[T], given: dict[str, tuple[Any, str]], source: str) -> T:
+    origin = {k: where for k, (_, where) in given.items()}
+    known = keys(cls)
+    unknown = sorted(set(given) - set(known))
     if unknown:
         owner = f"{cls.__module__}.{cls.__name__}"
-        raise ConfigError("; ".join(f"{origin[k]}: {unknown_field(k, fields, owner)}" for k in unknown))
-    kwargs = {k: _coerce(v, hints[k], f"{origin[k]}: field {k!r}") for k, v in data.items()}
+        raise ConfigError("; ".join(f"{origin[k]}: {unknown_field(k, set(known), owner)}" for k in unknown))
+    values = {k: _coerce(v, known[k], f"{origin[k]}: field {k!r}") for k, (v, _) in given.items()}
+    return _construct(cls, values, origin, source)
+
+
+def _construct(cls: type[T], values: dict[str, Any], origin: dict[str, str], source: str, prefix: str = "") -> T:
+    """`cls` from coerced `values`, keyed by their full dotted keys (those of `cls` start with `prefix`),
+    each group built first. A bad value is blamed on the origin of the key that holds it."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if is_group(hints[f.name]):
+            inner = {k: v for k, v in values.items() if k.startswith(key + ".")}
+            if inner:
+                kwargs[f.name] = _construct(hints[f.name], inner, origin, source, key + ".")
+        elif key in values:
+            kwargs[f.name] = values[key]
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        # A check across fields: blame the origins of the fields its message names (a one-word name
-        # only when quoted, since it may be an ordinary word of the message).
-        named = [k for k in data if re.search(rf"\b{re.escape(k)}\b" if "_" in k else f"'{re.escape(k)}'", str(exc))]
-        where = list(dict.fromkeys(origin[k] for k in named)) or list(dict.fromkeys(origin.values())) or [source]
-        raise ConfigError(f"{' and '.join(where)}: {exc}") from None
+        # Blame the origins of the fields the message names, else those of every key given.
+        named = [k for k in values if _names(str(exc), k[len(prefix):])]
+        if isinstance(exc, FieldError) and prefix:
+            exc = exc.within(prefix[:-1])
+        raise ConfigError(f"{_join([origin[k] for k in named or values], source)}: {exc}") from None
+
+
+def _names(message: str, name: str) -> bool:
+    """Whether `message` names field `name` (a one-word name only when quoted: it may be an ordinary word)."""
+    pattern = rf"\b{re.escape(name)}\b" if "_" in name or "." in name else f"'{re.escape(name)}'"
+    return re.search(pattern, message) is not None
+
+
+def _join(origins: list[str], source: str) -> str:
+    return " and ".join(dict.fromkeys(origins)) or source
 
 
 def unknown_field(key: str, fields: set[str], owner: str) -> str:
@@ -117,15 +233,97 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def build(cls: type[T], file: str | Path | None = None, overrides: list[str] = ()) -> T:
     """`cls` from an optional YAML file, then `key=value` overrides on top."""
-    data = load_yaml(file) if file else {}
-    given = parse_overrides(list(overrides))
-    data.update(given)
-    return from_dict(cls, data, source=str(file) if file else "command line",
-                     sources=dict.fromkeys(given, "command line"))
+    layers = [(load_yaml(file), str(file))] if file else []
+    return compose(cls, [*layers, (parse_overrides(list(overrides)), "command line")])
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    """`config` as a plain mapping, a nested one per group: the layout `from_dict` reads back."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def override(config: T, changes: dict[str, Any]) -> T:
+    """`config` with `changes` (dotted keys or nested mappings -> typed values) made; each group changed is
+    rebuilt, so it and `config` check themselves again."""
+    top, inner = {}, {}
+    for key, value in flatten(changes).items():
+        head, dot, rest = key.partition(".")
+        if dot:
+            inner.setdefault(head, {})[rest] = value
+        else:
+            top[key] = value
+    for head, sub in inner.items():
+        if not dataclasses.is_dataclass(getattr(config, head, None)):
+            raise ConfigError(f"{type(config).__name__} has no group {head!r} (in {head}.{next(iter(sub))})")
+        try:
+            top[head] = override(getattr(config, head), sub)
+        except FieldError as exc:
+            raise exc.within(head) from None
+    return dataclasses.replace(config, **top)
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """Every key of config `cls` (dotted within groups) as `key=default  meaning`, one line each, a group's
+    keys after a line naming it; the default is written as a command line takes it."""
+    hints = typing.get_type_hints(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        key, meaning = prefix + f.name, f.metadata.get("help", "")
+        if is_group(hints[f.name]):
+            lines += ["", f"{key}.*: {meaning}", *describe(hints[f.name], key + ".")]
+        else:
+            lines.append(f"{key}={format_value(f.default)}".ljust(36) + f"  {meaning}")
+    return lines
+
+
+def format_value(value: Any) -> str:
+    """`value` as a `key=value` override spells it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return ",".join(format_value(v) for v in value)
+    return str(value)
+
+
+def check(config: Any, name: str, ok: bool, expected: str) -> None:
+    """Unless `ok`: a FieldError "field NAME must be EXPECTED, got VALUE" for `config`'s field `name`."""
+    if not ok:
+        raise FieldError(name, f"must be {expected}, got {getattr(config, name)!r}")
+
+
+def check_int(config: Any, name: str, low: int | None = None) -> None:
+    """`config`'s field `name` is an integer (bools are not), at least `low` when given."""
+    value = getattr(config, name)
+    ok = isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+    check(config, name, ok, "an integer" + (f" >= {low}" if low is not None else ""))
+
+
+def check_choice(config: Any, name: str, allowed: tuple) -> None:
+    check(config, name, getattr(config, name) in allowed, f"one of {allowed}")
+
+
+def check_numbers(config: Any) -> None:
+    """Every float field of `config` holds a finite number (bools are not), so range checks can compare it."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.type in ("float", float):
+            check(config, f.name, not isinstance(value, bool) and isinstance(value, (int, float))
+                  and math.isfinite(value), "a finite number")
+
+
+def check_groups(config: Any) -> None:
+    """Every group of `config` holds its component's config (`drafter="random"` is not `drafter.model`)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if is_group(hints[f.name]):
+            check(config, f.name, isinstance(getattr(config, f.name), hints[f.name]),
+                  f"a {hints[f.name].__name__} (set its keys as {f.name}.NAME)")
 
 
 def import_callable(spec: str, what: str):

@@ -33,19 +33,22 @@ from tlt.io import atomic_write_bytes
 STAGES = ("rollout", "reward", "logprob", "update", "sync", "drafter")
 FIGSIZE = (8, 4.5)
 DPI = 120
-CONFIG_HIGHLIGHTS = ("model", "dataset", "task", "reward", "speculative", "strategy", "drafter", "prompts_per_step",
-                     "group_size", "max_response_tokens", "temperature", "lr", "steps", "seed")
+CONFIG_HIGHLIGHTS = ("model", "dataset", "task", "reward", "speculative", "strategy", "drafter.model",
+                     "prompts_per_step", "group_size", "max_response_tokens", "temperature", "optim.lr", "steps", "seed")
 
 
 class Run:
-    """The rows and config of one run directory; `label` names it in legends."""
+    """The rows and config (dotted keys) of one run directory; `label` names it in legends."""
 
     def __init__(self, run_dir: str | Path, label: str | None = None) -> None:
+        from tlt.config import upgrade
+        from tlt.rl.config import TrainConfig
+
         self.dir = Path(run_dir)
         self.label = label or self.dir.name
         self.rows = read_rows(self.dir / "metrics.jsonl")
         path = self.dir / "config.json"
-        self.config = json.loads(path.read_text()) if path.exists() else {}
+        self.config = upgrade(TrainConfig, json.loads(path.read_text())) if path.exists() else {}
         self.train = [r for r in self.rows if "reward" in r]
         self.evals = [r for r in self.rows if "eval_accuracy" in r]
 

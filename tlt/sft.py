@@ -250,18 +250,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from(preset: str | None, file: str | None = None, overrides: list[str] = ()) -> SFTConfig:
     """The preset's fields, then the YAML file's, then the overrides; errors name each field's origin."""
-    from tlt.config import from_dict, load_yaml, parse_overrides
+    from tlt.config import compose, load_yaml, parse_overrides
 
-    data, sources = dict(PRESETS[preset]) if preset else {}, {}
-    sources.update(dict.fromkeys(data, f"preset {preset!r}"))
-    if file:
-        from_file = load_yaml(file)
-        data.update(from_file)
-        sources.update(dict.fromkeys(from_file, str(file)))
-    given = parse_overrides(list(overrides))
-    data.update(given)
-    sources.update(dict.fromkeys(given, "command line"))
-    return from_dict(SFTConfig, data, source="command line", sources=sources)
+    layers = [(PRESETS[preset], f"preset {preset!r}")] if preset else []
+    layers += [(load_yaml(file), str(file))] if file else []
+    return compose(SFTConfig, [*layers, (parse_overrides(list(overrides)), "command line")])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,8 +73,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from tlt.config import from_dict
-from tlt.errors import ConfigError
+from tlt.config import check, check_choice, check_int, check_numbers, from_dict, setting
+from tlt.errors import ConfigError, FieldError
 from tlt.speculative.strategy import Strategy
 
 # Every default arm verifies target-only (verify.walk: trees, and n-gram chains), whose draws are plain
@@ -97,66 +97,46 @@ STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 
 @dataclass(frozen=True)
 class TunerConfig:
-    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    arms: tuple[str, ...] = DEFAULT_ARMS
-    epsilon: float = 0.1
-    window: int = 300
-    decay: float = 0.99
-    seed: int | None = 0
-    prune_after: int = 20
-    prune_ratio: float = 0.5
-    explore: str = "cost"
+    buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32), "batch-size bucket bounds, each bucket its own bandit")
+    arms: tuple[str, ...] = setting(DEFAULT_ARMS, "the strategies it picks from, 'off' among them")
+    epsilon: float = setting(0.1, "probability of an exploration draw")
+    window: int = setting(300, "rewards per arm and bucket the score is the median of")
+    decay: float = setting(0.99, "weight of a reward per bucket step since it was earned (1: no forgetting)")
+    seed: int | None = setting(0, "seed of the exploration draws")
+    prune_after: int = setting(20, "rewards an arm and the best need before the arm can be pruned")
+    prune_ratio: float = setting(0.5, "an arm below this fraction of the best's median is pruned (0: never)")
+    explore: str = setting("cost", "how exploration draws are weighed: cost (by step time) or uniform")
 
     def __post_init__(self) -> None:
         for name in ("buckets", "arms"):
             value = getattr(self, name)
-            if isinstance(value, str) or not isinstance(value, Sequence):
-                raise ConfigError(f"TunerConfig field {name!r} must be a tuple, got {value!r}")
+            check(self, name, not isinstance(value, str) and isinstance(value, Sequence), "a tuple")
             object.__setattr__(self, name, tuple(value))
-        for b in self.buckets:
-            _check_int("buckets", b, 1)
-        if any(lo >= hi for lo, hi in zip(self.buckets, self.buckets[1:])):
-            raise ConfigError(f"TunerConfig field 'buckets' must be strictly increasing, got {self.buckets}")
-        if not self.arms:
-            raise ConfigError("TunerConfig field 'arms' must name at least one strategy")
+        check(self, "buckets", all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.buckets),
+              "integers >= 1")
+        check(self, "buckets", all(lo < hi for lo, hi in zip(self.buckets, self.buckets[1:])), "strictly increasing")
+        check(self, "arms", bool(self.arms) and all(isinstance(arm, str) for arm in self.arms),
+              "one or more strategy names")
         for arm in self.arms:
-            if not isinstance(arm, str):
-                raise ConfigError(f"TunerConfig field 'arms' must hold strategy names, got {arm!r}")
             try:
                 canonical = Strategy.parse(arm).name
             except ConfigError as exc:
-                raise ConfigError(f"TunerConfig field 'arms': {exc}") from None
+                raise FieldError("arms", f"has {arm!r}: {exc}") from None
             if canonical != arm:
-                raise ConfigError(f"TunerConfig field 'arms': write {arm!r} as {canonical!r}")
+                raise FieldError("arms", f"has {arm!r}: write it as {canonical!r}")
         if len(set(self.arms)) != len(self.arms):
-            raise ConfigError(f"TunerConfig field 'arms' has duplicates: {self.arms}")
+            raise FieldError("arms", f"has duplicates: {self.arms}")
         if "off" not in self.arms:
-            raise ConfigError(f"TunerConfig field 'arms' must include 'off' (the plain-decoding baseline), "
-                              f"got {self.arms}")
-        _check_float("epsilon", self.epsilon, 0.0, 1.0)
-        _check_int("window", self.window, 1)
-        _check_float("decay", self.decay, 0.0, 1.0, open_low=True)
+            raise FieldError("arms", f"must include 'off' (the plain-decoding baseline), got {self.arms}")
+        check_numbers(self)
+        check(self, "epsilon", 0 <= self.epsilon <= 1, "in [0, 1]")
+        check_int(self, "window", 1)
+        check(self, "decay", 0 < self.decay <= 1, "in (0, 1]")
         if self.seed is not None:
-            _check_int("seed", self.seed, None)
-        _check_int("prune_after", self.prune_after, 1)
-        if self.explore not in EXPLORE:
-            raise ConfigError(f"TunerConfig field 'explore' must be one of {EXPLORE}, got {self.explore!r}")
-        _check_float("prune_ratio", self.prune_ratio, 0.0, 1.0, open_high=True)
-
-
-def _check_int(name: str, value, low: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"TunerConfig field {name!r} must be an int, got {value!r}")
-    if low is not None and value < low:
-        raise ConfigError(f"TunerConfig field {name!r} must be >= {low}, got {value}")
-
-
-def _check_float(name: str, value, low: float, high: float, open_low: bool = False, open_high: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ConfigError(f"TunerConfig field {name!r} must be a number, got {value!r}")
-    if value < low or value > high or (open_low and value == low) or (open_high and value == high):
-        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        raise ConfigError(f"TunerConfig field {name!r} must be in {interval}, got {value}")
+            check_int(self, "seed")
+        check_int(self, "prune_after", 1)
+        check(self, "prune_ratio", 0 <= self.prune_ratio < 1, "in [0, 1)")
+        check_choice(self, "explore", EXPLORE)
 
 
 def _check_measure(name: str, value) -> None:

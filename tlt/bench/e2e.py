@@ -17,7 +17,7 @@ measures tlt against plain decoding at the dtype where plain decoding is fastest
 rounding of the same policy, so its curves match the others within noise only.
 
 With drafter training on (the default when the tlt run has a learned drafter), a third run "frozen"
-is the tlt run with the drafter kept as it started (drafter_train=off). It gives the two figures of
+is the tlt run with the drafter kept as it started (drafter.train=off). It gives the two figures of
 the adaptive drafter:
   - `ratios.acceptance_adaptive_vs_frozen`: the learned drafter's acceptance length in the tlt run over
     the frozen run's over the last 5 steps, compared arm by arm (an adaptive tuner runs the chain and
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     extra = [f"steps={args.steps}"] + ([f"workers={args.workers}"] if args.workers else []) + \
-        ([f"drafter={args.drafter}"] if args.drafter else [])
+        ([f"drafter.model={args.drafter}"] if args.drafter else [])
     base = build(TrainConfig, args.config, [*model_defaults(args.model), *args.overrides, *extra])
     result = compare(base, args.tlt, Path(args.out), runs=tuple(args.runs.split(",")),
                      baseline_dtype=args.baseline_dtype)
@@ -90,7 +90,7 @@ def model_defaults(model: str | None) -> list[str]:
     if model != NAME:
         return [f"model={model}"]
     w = workload()
-    return [f"model={NAME}", f"task={w['task']}", f"drafter={w['drafter']}", f"max_response_tokens={w['max_tokens']}"]
+    return [f"model={NAME}", f"task={w['task']}", f"drafter.model={w['drafter']}", f"max_response_tokens={w['max_tokens']}"]
 
 
 STAGES = ("rollout", "reward", "logprob", "update", "sync", "drafter")  # the timed parts of an RL step
@@ -101,13 +101,11 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
     """Run `base` with speculation off, with `tlt_mode` and (when the drafter trains) with the drafter
     frozen, alternating step by step; returns the result dict (ratios, breakdown, curves). A
     `baseline_dtype` other than base's rollout_dtype adds the run `off_<dtype>`: speculation off with
-    rollout weights in that dtype (float32 takes the engine's own log-probs, old_logprobs=rollout),
+    rollout weights in that dtype (float32 takes the engine's own log-probs, loss.old_logprobs=rollout),
     with ratios `speedup_vs_off_<dtype>` and `rollout_speedup_vs_off_<dtype>`. With `out`,
     each run's config.json and metrics.jsonl go to out/<run> (the layout `tlt report` reads) and the
     comparison plot to out/e2e.png."""
-    import dataclasses
-
-    from tlt.config import to_dict
+    from tlt.config import override, to_dict
     from tlt.errors import ConfigError
     from tlt.io import atomic_write_json
     from tlt.rl.metrics import MetricsLog
@@ -117,15 +115,15 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
     unknown = set(runs) - {"off", "tlt", "frozen"}
     if unknown or "tlt" not in runs:
         raise ConfigError(f"--runs must include tlt and name only off, tlt, frozen; got {','.join(runs)}")
-    trains = base.drafter_train != "off" and base.drafter is not None
-    all_configs = {"off": dataclasses.replace(base, speculative="off"),
-                   "tlt": dataclasses.replace(base, speculative=tlt_mode),
-                   "frozen": dataclasses.replace(base, speculative=tlt_mode, drafter_train="off")}
+    trains = base.drafter.train != "off" and base.drafter.model is not None
+    all_configs = {"off": override(base, {"speculative": "off"}),
+                   "tlt": override(base, {"speculative": tlt_mode}),
+                   "frozen": override(base, {"speculative": tlt_mode, "drafter.train": "off"})}
     configs = {name: all_configs[name] for name in runs if name != "frozen" or trains}
     baseline = baseline_name(baseline_dtype, base.rollout_dtype)
     if baseline is not None:
-        configs[baseline] = dataclasses.replace(base, speculative="off", rollout_dtype=baseline_dtype, old_logprobs=(
-            "rollout" if baseline_dtype == "float32" else "recompute"))
+        configs[baseline] = override(base, {"speculative": "off", "rollout_dtype": baseline_dtype,
+                                            "loss.old_logprobs": "rollout" if baseline_dtype == "float32" else "recompute"})
     trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
     logs = {}
     for name, c in configs.items():

@@ -22,12 +22,13 @@ Both merge their figures and the command line into `--json` (default docs/result
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import shlex
 import time
 from pathlib import Path
+
+from tlt.config import override
 
 SUFFIX_ARMS = ("suffix-d16-v32", "hybrid-d4-k4-v16")
 
@@ -143,8 +144,8 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         if not Strategy.parse(name).target_only:
             raise ConfigError(f"--paired {name!r} does not verify target-only: its samples would differ")
     learned = Strategy.parse(suffix).uses_drafter
-    config = dataclasses.replace(base, speculative="on", strategy=suffix, drafter_train="off",
-                                 drafter=base.drafter if learned else None)
+    config = override(base, {"speculative": "on", "strategy": suffix, "drafter.train": "off",
+                             "drafter.model": base.drafter.model if learned else None})
     trainer = GRPOTrainer(config, log=lambda *_: None)
     if trainer.engine is None:
         raise ConfigError("the acceptance measurement runs in-process (workers=1)")
@@ -153,7 +154,7 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
     for name in paired:
         uses = Strategy.parse(name).uses_drafter
         if uses and drafter is None:
-            drafter = Drafter.load("default" if base.drafter in (None, "auto") else base.drafter, model)
+            drafter = Drafter.load("default" if base.drafter.model in (None, "auto") else base.drafter.model, model)
         engines[name] = RolloutEngine(model, trainer.tokenizer, EngineConfig(
             speculative="on", strategy=name, drafter=drafter if uses else None, max_batch_size=config.max_batch_size))
     trainer.rollout_backend = PairedRollout(trainer.rollout_backend, engines, suffix)
@@ -220,9 +221,9 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
 
     if not arms:
         raise ConfigError("--arms must name at least one arm to add")
-    without = tuple(a for a in base.tuner_arms if a not in arms)
-    configs = {"without": dataclasses.replace(base, speculative="adaptive", tuner_arms=without),
-               "with": dataclasses.replace(base, speculative="adaptive", tuner_arms=without + arms)}
+    without = tuple(a for a in base.tuner.arms if a not in arms)
+    configs = {"without": override(base, {"speculative": "adaptive", "tuner.arms": without}),
+               "with": override(base, {"speculative": "adaptive", "tuner.arms": without + arms})}
     trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
     log(f"{base.model}: {base.train_problems} problems x {base.group_size} samples, {base.steps} steps; tuner arms "
         f"{','.join(without)} vs + {','.join(arms)}, alternating step by step")

@@ -10,7 +10,7 @@ Layout of a run directory:
         tuner.json           the adaptive engine's tuner, when there is one
         drafter/             the drafter, when it is trained during the run
         drafter_buffer/      the online buffer it trains on (buffer.safetensors, buffer.json), unless
-                             drafter_buffer_checkpoint=false
+                             drafter.buffer_checkpoint=false
     tensorboard/, wandb/     TensorBoard events and the W&B run, when asked (wandb_run.json holds its id)
     report/                  `tlt report`: figures and report.md
 A checkpoint is written into a hidden temporary folder and renamed into place, then `latest.json` is

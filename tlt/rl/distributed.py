@@ -228,7 +228,7 @@ def _helper(rank: int, world: int, backend: str, port: int, config: TrainConfig,
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     policy = load_model(config.model, device=device).train()
-    optimizer = build_optimizer(policy, config)
+    optimizer = build_optimizer(policy, config.optim)
     conn.send("ready")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=TIMEOUT)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.errors import ConfigError
+from tlt.config import check, check_choice, check_numbers, setting
 
 
 def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, normalize_std: bool = True,
@@ -62,22 +62,30 @@ def entropy(logprobs: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    aggregation: str = "token"  # "token" or "sequence"
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    tis_cap: float = 0.0  # C of truncated importance sampling; 0: off
+    clip_low: float = setting(0.2, "eps_low: the ratio is clipped below at 1 - clip_low")
+    clip_high: float = setting(0.28, "eps_high: the ratio is clipped above at 1 + clip_high (clip-higher)")
+    aggregation: str = setting("token", "token (the mean over every response token) or sequence (per response)")
+    kl_coef: float = setting(0.0, "weight of the k3 KL to a frozen reference (> 0 loads one)")
+    entropy_coef: float = setting(0.0, "weight of the entropy bonus")
+    # > 0 (and old_logprobs=recompute): each token's surrogate weighted by min(pi_old / mu, tis_cap), mu
+    # the engine's probability of the token (a bf16 engine samples from a slightly different distribution
+    # than the float32 trainer's pi_old); logged as tis_ratio, tis_clipped
+    tis_cap: float = setting(0.0, "C of truncated importance sampling (0: off; needs old_logprobs=recompute)")
+    normalize_std: bool = setting(True, "divide advantages by the group's reward std (false: Dr. GRPO)")
+    filter_groups: bool = setting(False, "drop groups whose rewards are all equal (they carry no signal)")
+    skip_zero_advantage: bool = setting(True, "leave responses with advantage 0 out of the forward (exact without "
+                                        "KL or entropy terms: they add nothing to the gradient)")
+    old_logprobs: str = setting("rollout", "pi_old: the engine's log-probs (rollout) or a trainer forward before "
+                                "the update (recompute)")
 
     def __post_init__(self) -> None:
-        if self.aggregation not in ("token", "sequence"):
-            raise ConfigError(f"field 'aggregation' must be token or sequence, got {self.aggregation!r}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ConfigError(f"fields 'clip_low' in [0, 1) and 'clip_high' >= 0, got {self.clip_low}, {self.clip_high}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ConfigError("fields 'kl_coef' and 'entropy_coef' must be >= 0")
-        if not (self.tis_cap == 0 or self.tis_cap >= 1):
-            raise ConfigError(f"field 'tis_cap' must be 0 (off) or >= 1, got {self.tis_cap}")
+        check_numbers(self)
+        check_choice(self, "aggregation", ("token", "sequence"))
+        check(self, "clip_low", 0 <= self.clip_low < 1, "in [0, 1)")
+        for name in ("clip_high", "kl_coef", "entropy_coef"):
+            check(self, name, getattr(self, name) >= 0, ">= 0")
+        check(self, "tis_cap", self.tis_cap == 0 or self.tis_cap >= 1, "0 (off) or >= 1")
+        check_choice(self, "old_logprobs", ("rollout", "recompute"))
 
 
 def token_weights(lengths: torch.Tensor, aggregation: str, total_tokens: int, total_responses: int) -> torch.Tensor:

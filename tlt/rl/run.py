@@ -2,9 +2,11 @@
 
     tlt train [--config FILE.yaml] [--out RUN_DIR] [key=value ...]
     tlt train --resume RUN_DIR [key=value ...]
+    tlt train --help-config
 The default config is the embedded default: the default model on the built-in task, adaptive
-speculation with the default drafter. Every field of `TrainConfig` is a key; an unknown key or a bad
-value fails before anything runs, naming the key. A resumed run reads the run's config.json (overrides
+speculation with the default drafter. Every field of `TrainConfig` is a key, dotted within a group
+(`drafter.lr=1e-4`; `--help-config` lists them); an unknown key or a bad value fails before anything
+runs, naming the key. A resumed run reads the run's config.json, whichever release wrote it (overrides
 apply on top, e.g. steps=200 to extend a finished run), restores the newest checkpoint that reads
 whole (an older one, with a warning, when a file of the newest is torn) and continues: its next step's
 metrics equal those of a run that was never interrupted. Before any file of the run directory is
@@ -18,7 +20,7 @@ import argparse
 import time
 from pathlib import Path
 
-from tlt.config import build, from_dict, parse_overrides, to_dict
+from tlt.config import build, compose, describe, parse_overrides, to_dict, upgrade
 from tlt.errors import ConfigError
 from tlt.io import atomic_write_json
 from tlt.rl.config import TrainConfig
@@ -106,6 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of TrainConfig fields")
     parser.add_argument("--out", help="run directory (default runs/train-<time>)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every key (dotted within its group) with its default and meaning, and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields")
 
 
@@ -121,16 +125,17 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConfig
     path = Path(run_dir) / "config.json"
     if not path.exists():
         raise ConfigError(f"{run_dir}: not a run directory to resume (no config.json)")
-    data = read_json(path)
+    data = upgrade(TrainConfig, read_json(path))
     for key in RETIRED_KEYS:  # run folders written before a setting was retired still resume
         if data.get(key) is None:
             data.pop(key, None)
-    given = parse_overrides(list(overrides))
-    data.update(given)
-    return from_dict(TrainConfig, data, source=str(path), sources=dict.fromkeys(given, "command line"))
+    return compose(TrainConfig, [(data, str(path)), (parse_overrides(list(overrides)), "command line")])
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.help_config:
+        print("\n".join(describe(TrainConfig)))
+        return 0
     if args.resume:
         if args.config or args.out:
             raise ConfigError("--resume takes the run's own config.json; pass changes as key=value")

@@ -6,7 +6,7 @@
     policy version the step expects, or it refuses to run.
   - reward: the reward function scores every completion with its example's columns.
   - advantages: group-relative (grpo.py); groups with all-equal rewards are optionally dropped.
-  - update: `mini_batches` optimizer steps, each over packed micro-batches with gradient accumulation,
+  - update: `optim.mini_batches` optimizer steps, each over packed micro-batches with gradient accumulation,
     on the clipped surrogate (plus k3 KL to a frozen reference and an entropy bonus when asked). The
     old log-probs are the engine's or recomputed by the trainer; both use the same warping as sampling,
     so the importance ratio starts at 1 (update.py). With `trainer_processes` > 1 it runs
@@ -73,13 +73,14 @@ class GRPOTrainer:
         get_reward(c.reward)
         self.device = resolve_device(c.device, "field 'device'")
         self.policy = load_model(c.model, device=self.device).train()
-        self.reference = load_model(c.model, device=self.device).eval().requires_grad_(False) if c.kl_coef > 0 else None
-        self.optimizer = build_optimizer(self.policy, c)
+        self.reference = (load_model(c.model, device=self.device).eval().requires_grad_(False)
+                          if c.loss.kl_coef > 0 else None)
+        self.optimizer = build_optimizer(self.policy, c.optim)
         self.step = 0  # optimizer updates done = the policy version the engine must hold
         self._orders: dict[int, list[int]] = {}
         self.reward_failed_steps = 0  # consecutive steps whose every reward call failed
         # Earlier responses per prompt, the suffix drafter's source (None unless a suffix arm can run)
-        self.history = HistoryStore(c.history()) if c.history() is not None else None
+        self.history = HistoryStore(c.history) if c.drafts_from_history() else None
         self.reward = RewardRunner(c.reward, workers=c.reward_workers, timeout_s=c.reward_timeout_s)
         self.rollout_backend = self.replicas = None
         try:
@@ -105,7 +106,7 @@ class GRPOTrainer:
         if drafter not in (None, "random"):
             folder = drafter_folder(drafter)
             if not folder.is_dir():
-                raise ConfigError(f"field 'drafter' {drafter!r}: no such folder (expected a drafter folder holding "
+                raise ConfigError(f"field 'drafter.model' {drafter!r}: no such folder (expected a drafter folder holding "
                                   f"drafter_config.json, one of {sorted(BUILTIN_DRAFTERS)}, random or none)")
             path = folder / "drafter_config.json"
             raw = read_json(path)
@@ -114,11 +115,11 @@ class GRPOTrainer:
                                           if raw.get("feature_layers") is not None else None})
             except TypeError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
-            config.check_target(SimpleNamespace(config=model_config), f"{path} (field 'drafter')")
-        if drafter is not None and c.drafter_train != "off":
-            for name in ("drafter_buffer_evict", "drafter_buffer_sample"):
-                if getattr(c, name):
-                    import_callable(getattr(c, name), f"field {name!r}")
+            config.check_target(SimpleNamespace(config=model_config), f"{path} (field 'drafter.model')")
+        if drafter is not None and c.drafter.train != "off":
+            for name in ("buffer_evict", "buffer_sample"):
+                if getattr(c.drafter, name):
+                    import_callable(getattr(c.drafter, name), f"field 'drafter.{name}'")
 
     # --- data ------------------------------------------------------------------------------------------
     def _load_data(self) -> tuple[list[Example], list[Example]]:
@@ -213,10 +214,10 @@ class GRPOTrainer:
         self._check_reward_failures(result)
         rewards = torch.tensor([e.reward for e in episodes])
         groups = torch.tensor([e.group for e in episodes])
-        for e, a in zip(episodes, group_advantages(rewards, groups, self.config.normalize_std).tolist()):
+        for e, a in zip(episodes, group_advantages(rewards, groups, self.config.loss.normalize_std).tolist()):
             e.advantage = a
         flat = zero_variance_groups(rewards, groups)
-        learn = [e for e, f in zip(episodes, flat.tolist()) if not (self.config.filter_groups and f)]
+        learn = [e for e, f in zip(episodes, flat.tolist()) if not (self.config.loss.filter_groups and f)]
         with _timer(times, "logprob"):
             old, ref = self.recomputed_logprobs(learn)
         with _timer(times, "update"):
@@ -310,12 +311,13 @@ class GRPOTrainer:
         episode id(); an empty dict means "use the engine's" / "no reference"."""
         c = self.config
         old, ref = {}, {}
-        if c.old_logprobs != "recompute" and self.reference is None:
+        recompute = c.loss.old_logprobs == "recompute"
+        if not recompute and self.reference is None:
             return old, ref
         with torch.no_grad():
-            for mb in pack(episodes, c.row_tokens, c.micro_batch_tokens):
+            for mb in pack(episodes, c.optim.row_tokens, c.optim.micro_batch_tokens):
                 spans = _spans(mb.episodes)
-                if c.old_logprobs == "recompute":
+                if recompute:
                     lp, _ = self.token_logprobs(self.policy, mb)
                     old.update({id(e): lp[a:b] for e, (a, b) in zip(mb.episodes, spans)})
                 if self.reference is not None:
@@ -324,11 +326,11 @@ class GRPOTrainer:
         return old, ref
 
     def learning_rate(self, step: int) -> float:
-        c = self.config
+        c, steps = self.config.optim, self.config.steps
         if step < c.warmup_steps:
             return c.lr * (step + 1) / c.warmup_steps
         if c.lr_schedule == "cosine":
-            progress = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
+            progress = (step - c.warmup_steps) / max(1, steps - c.warmup_steps)
             return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         return c.lr
 
@@ -470,7 +472,7 @@ class GRPOTrainer:
     def drafter_buffer(self):
         """The online buffer to save with a checkpoint (None: no drafter training, or not asked)."""
         learning = self.rollout_backend.learning
-        return learning.buffer if learning is not None and self.config.drafter_buffer_checkpoint else None
+        return learning.buffer if learning is not None and self.config.drafter.buffer_checkpoint else None
 
     def rollout_state(self) -> dict:
         """The rollout side's state for a checkpoint: every worker's tuner."""

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tlt.errors import TrainingError
-from tlt.rl.config import TrainConfig
+from tlt.rl.config import OptimConfig, TrainConfig
 from tlt.rl.episode import Episode, MicroBatch, pack
 from tlt.rl.grpo import entropy, policy_loss, token_weights
 
@@ -53,7 +53,7 @@ class Sample:
                    ref[id(episode)].clone() if ref else None, rollout if old else None)
 
 
-def build_optimizer(policy: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(policy: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only; every rank builds the same one."""
     decay = [p for p in policy.parameters() if p.dim() >= 2]
     other = [p for p in policy.parameters() if p.dim() < 2]
@@ -117,10 +117,10 @@ def all_reduce_sum(tensors: list[torch.Tensor], world: int, bucket: int = 1 << 2
 
 def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig, samples: list[Sample], lr: float,
                   rank: int = 0, world: int = 1) -> dict:
-    """`config.mini_batches` optimizer steps over `samples`, this rank running its share of each slice;
+    """`config.optim.mini_batches` optimizer steps over `samples`, this rank running its share of each slice;
     every rank of `world` calls it with the same samples. Returns the step's diagnostics (identical on
     every rank but the first micro-batch's ratio deviation, which is this rank's)."""
-    c, loss_config = config, config.loss()
+    c, loss_config = config.optim, config.loss
     device = policy.device
     groups = sorted({s.group for s in samples})
     slices = [set(s.tolist()) for s in np.array_split(np.array(groups), min(c.mini_batches, len(groups)))]
@@ -131,7 +131,7 @@ def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig,
     # A response with advantage 0 adds exactly nothing to the surrogate's gradient; unless KL or
     # entropy terms touch it, it is left out of the forward but still counted in the normaliser,
     # so the update is unchanged and the many all-equal groups cost no compute.
-    skip = c.skip_zero_advantage and loss_config.kl_coef == 0 and loss_config.entropy_coef == 0
+    skip = loss_config.skip_zero_advantage and loss_config.kl_coef == 0 and loss_config.entropy_coef == 0
     params = list(policy.parameters())
     policy.train()
     ran = 0
@@ -142,7 +142,7 @@ def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig,
         optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(2 + len(PARTS), dtype=torch.float64, device=device)  # loss, weight seen, PARTS
         for mb in pack(shard(active, rank, world), c.row_tokens, c.micro_batch_tokens):
-            logp, ent = token_logprobs(policy, mb, c, with_entropy=True)
+            logp, ent = token_logprobs(policy, mb, config, with_entropy=True)
             lengths = torch.tensor([len(s.completion_ids) for s in mb.episodes])
             old_lp = torch.cat([s.old_logprobs for s in mb.episodes]).to(device)  # [N]
             refs = [s.ref_logprobs for s in mb.episodes]
@@ -150,7 +150,7 @@ def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig,
             behaviour = ([s.rollout_logprobs for s in mb.episodes] if loss_config.tis_cap > 0 else [None])
             mu_lp = torch.cat(behaviour).to(device) if behaviour[0] is not None else None  # [N]
             adv = torch.tensor([s.advantage for s in mb.episodes]).repeat_interleave(lengths).to(device)  # [N]
-            weights = token_weights(lengths, c.aggregation, n_tokens, len(batch)).to(device)  # [N]
+            weights = token_weights(lengths, loss_config.aggregation, n_tokens, len(batch)).to(device)  # [N]
             loss, parts = policy_loss(logp, old_lp, adv, weights, loss_config, ref_lp, ent, mu_lp)
             sums[0] += loss.detach()
             if not torch.isfinite(loss):  # the reduced loss is then non-finite on every rank

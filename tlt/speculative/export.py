@@ -74,34 +74,36 @@ def find_drafter(path: str | os.PathLike) -> Path:
 def _why_no_drafter(run: Path) -> str:
     """Why a GRPO run directory holds no trained drafter, from its config.json and metrics.jsonl, and what
     to change; "" when the run's files do not say."""
+    from tlt.config import upgrade
+    from tlt.rl.config import TrainConfig
     from tlt.rl.metrics import read_metrics
 
     try:
-        config = json.loads((run / "config.json").read_text())
+        config = upgrade(TrainConfig, json.loads((run / "config.json").read_text()))
         rows = read_metrics(run / "metrics.jsonl")
     except (OSError, ValueError, TltError):
         return ""
     get = config.get
     if get("speculative") == "off":
         return "; the run did not speculate (speculative=off), so it used no drafter"
-    drafter = get("drafter")
+    drafter = get("drafter.model")
     if drafter == "auto" and get("model") != "default":
         drafter = None
     if drafter in (None, "none"):
-        return (f"; the run drafted with n-gram drafts only (drafter={get('drafter')!r}): give it a drafter to "
-                "train online (drafter=random, or a folder from tlt train-drafter)")
-    if get("drafter_train") == "off":
-        return (f"; the run did not train its drafter (drafter_train=off): the drafter it used is {drafter!r}, "
+        return (f"; the run drafted with n-gram drafts only (drafter.model={get('drafter.model')!r}): give it a "
+                "drafter to train online (drafter.model=random, or a folder from tlt train-drafter)")
+    if get("drafter.train") == "off":
+        return (f"; the run did not train its drafter (drafter.train=off): the drafter it used is {drafter!r}, "
                 "export that")
     pairs = max((r.get("drafter_buffer_pairs") or 0 for r in rows), default=0)
-    if pairs < (get("drafter_min_pairs") or 0):
+    if pairs < (get("drafter.min_pairs") or 0):
         return (f"; its drafter never trained: the online buffer held at most {pairs} pairs, fewer than "
-                f"drafter_min_pairs={get('drafter_min_pairs')} (lower it, or train for more steps or longer "
+                f"drafter.min_pairs={get('drafter.min_pairs')} (lower it, or train for more steps or longer "
                 "responses)")
     steps = sum(r.get("drafter_phase_steps") or 0 for r in rows)
     if steps == 0:
-        return (f"; its drafter never trained: no drafter phase ran in {len(rows)} steps (drafter_train="
-                f"{get('drafter_train')!r}; try drafter_train=every)")
+        return (f"; its drafter never trained: no drafter phase ran in {len(rows)} steps (drafter.train="
+                f"{get('drafter.train')!r}; try drafter.train=every)")
     return ""
 
 

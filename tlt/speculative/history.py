@@ -3,8 +3,8 @@
 RL trains over a fixed dataset for several epochs, and a policy answers a prompt much as it did the
 last time it saw it, so the responses of earlier steps are drafts that cost no model. The store keeps,
 per prompt (keyed by a stable hash of its token ids, so any tokenizer and dataset work), the last
-`responses_per_prompt` responses, each tagged with the policy version that sampled it. It is bounded in
-bytes: past `max_bytes` the oldest responses of the whole store go first, whatever their prompt.
+`responses` responses, each tagged with the policy version that sampled it. It is bounded in bytes:
+past `mb` megabytes the oldest responses of the whole store go first, whatever their prompt.
 Responses older than `max_age` policy versions are not drafted from (0: any age).
 
 It lives with the driver of the run (the trainer), not in the engines: a rollout sends each prompt's
@@ -21,6 +21,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
+from tlt.config import check, check_int, check_numbers, setting
 from tlt.errors import ConfigError
 
 ENTRY_BYTES = 64  # bookkeeping per stored response, counted with its tokens
@@ -29,16 +30,20 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class HistoryConfig:
-    responses_per_prompt: int = 8
-    max_bytes: int = 64 << 20
-    max_age: int = 0  # policy versions; 0: responses of any age are drafted from
-    window: int = 0  # the run's most recent responses (any prompt) sent with every rollout; 0: none
+    responses: int = setting(8, "responses kept per prompt, the newest (0: no history is kept)")
+    mb: float = setting(64, "megabytes of responses in all, the oldest evicted first")
+    max_age: int = setting(0, "policy versions a response may be old to be drafted from (0: any)")
+    window: int = setting(0, "the run's most recent responses (any prompt) sent with every rollout")
 
     def __post_init__(self) -> None:
-        for name, low in (("responses_per_prompt", 1), ("max_bytes", 1), ("max_age", 0), ("window", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"HistoryConfig field {name!r} must be an integer >= {low}, got {value!r}")
+        for name in ("responses", "max_age", "window"):
+            check_int(self, name, 0)
+        check_numbers(self)
+        check(self, "mb", self.mb > 0, "> 0")
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.mb * (1 << 20))
 
 
 @dataclass
@@ -93,7 +98,7 @@ class HistoryStore:
             entries.append(entry)
             self._order[entry.seq] = key
             self.nbytes += entry.nbytes
-        while len(entries) > self.config.responses_per_prompt:
+        while len(entries) > self.config.responses:
             self._drop(entries.popleft())
         while self.nbytes > self.config.max_bytes and self._order:
             seq, key = next(iter(self._order.items()))
@@ -159,7 +164,7 @@ class HistoryStore:
             self.nbytes += entry.nbytes
         for key in list(self._prompts):
             entries = self._prompts.get(key)
-            while entries and len(entries) > self.config.responses_per_prompt:
+            while entries and len(entries) > self.config.responses:
                 self._drop(entries.popleft())
         while self.nbytes > self.config.max_bytes and self._order:
             _, key = next(iter(self._order.items()))

@@ -3,7 +3,8 @@ and the worker pool that runs rollout on Ray (see rollout.py for how they fit to
 
 from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
 from tlt.spot.coordinator import Coordinator, WorkerState
-from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, SpotTrainer
+from tlt.spot.config import SpotConfig
+from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotTrainer
 
 __all__ = ["OnlineBuffer", "favour_long", "keep_recent", "Coordinator", "WorkerState", "DrafterCheckpointer",
            "Schedule", "SpotConfig", "SpotTrainer"]

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 from tlt.errors import ConfigError
 from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
 from tlt.spot.coordinator import Coordinator
-from tlt.spot.trainer import DrafterCheckpointer, Schedule, SpotConfig, run_phase
+from tlt.spot.config import SpotConfig
+from tlt.spot.trainer import DrafterCheckpointer, Schedule, run_phase
 from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
 
 if TYPE_CHECKING:
@@ -36,9 +37,9 @@ class DrafterLearning:
     """Driver-side state of online drafter training (see the module docstring)."""
 
     def __init__(self, config: SpotConfig, drafter_config, checkpoint_root: str | Path | None = None,
-                 log: Callable[[str], None] = print, evict=None, sample=None) -> None:
-        self.config, self.drafter_config, self.log = config, drafter_config, log
-        self.buffer = OnlineBuffer(config.buffer_mb << 20, evict or keep_recent(config.buffer_versions),
+                 log: Callable[[str], None] = print, evict=None, sample=None, seed: int = 0) -> None:
+        self.config, self.drafter_config, self.log, self.seed = config, drafter_config, log, seed
+        self.buffer = OnlineBuffer(config.buffer_mb << 20, evict or keep_recent(config.buffer_steps),
                                    sample or favour_long(1.0))
         self.schedule = Schedule(config)
         self.state: dict | None = None  # SpotTrainer.state_dict() of the newest phase
@@ -186,7 +187,7 @@ class LocalRollout:
         learning = self.learning
         config = replace(learning.config, max_steps=self.local_steps)
         records, weights = learning.payload()
-        state, report = run_phase(self.engine.drafter, learning.state, records, weights, config, config.seed + step)
+        state, report = run_phase(self.engine.drafter, learning.state, records, weights, config, learning.seed + step)
         learning.accept(state, {**report, "worker": 0}, step)
         if report["steps"]:  # the weights are in place already; this records the version and tells the tuner
             self.engine.load_drafter(learning.state["drafter"], learning.version)
@@ -269,7 +270,7 @@ class PooledRollout:
             if coord.released(w, due):
                 records, weights = learning.payload()
                 ref = ray.put(records)
-                seed = learning.config.seed + step
+                seed = learning.seed + step
                 self._phase += 1
                 tail = [self.pool.actors[v] for v in coord.generating]
                 trainer = (w, self.pool.actors[w].train.remote(self._phase, learning.state, ref, weights,
@@ -352,7 +353,7 @@ def rollout_layout(workers: int, worker_gpus: float, cores: int, gpus: int) -> t
 def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path | None = None,
                  log: Callable[[str], None] = print) -> RolloutBackend:
     """The in-process engine (one worker) or a pool of Ray workers for a GRPO run of `config`, with
-    online drafter training when a learned drafter is in use and `drafter_train` is not off. `policy`
+    online drafter training when a learned drafter is in use and `drafter.train` is not off. `policy`
     (the trainer's model, on `device`) sizes a fresh drafter; drafter checkpoints go under `run_dir`."""
     import torch
 
@@ -361,27 +362,27 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
 
     c = config
     drafter = c.rollout_drafter()
-    if c.speculative != "off" and c.drafter == "auto" and drafter is None:
-        log(f"drafter=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
-            "(train one with tlt train-drafter and pass drafter=DIR, or drafter=random to learn one "
+    if c.speculative != "off" and c.drafter.model == "auto" and drafter is None:
+        log(f"drafter.model=auto: no built-in drafter for {c.model}; speculating with n-gram drafts only "
+            "(train one with tlt train-drafter and pass drafter.model=DIR, or drafter.model=random to learn one "
             "online from scratch)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     gpus = torch.cuda.device_count() if device.type == "cuda" and c.ray_address is None else 0
     workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
     engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
-                         strategy=c.strategy, tuner=c.tuner() if c.speculative == "adaptive" else None,
-                         catch_up_window=c.catch_up_window or None)
+                         strategy=c.strategy, tuner=c.tuner if c.speculative == "adaptive" else None,
+                         catch_up_window=c.drafter.catch_up_window or None)
     learning = None
-    if drafter is not None and c.drafter_train != "off":
+    if drafter is not None and c.drafter.train != "off":
         from tlt.config import import_callable
         from tlt.speculative.drafter import Drafter, DrafterConfig
 
         drafter_config = DrafterConfig.for_target(policy) if drafter == "random" else Drafter.load(drafter, policy).config
-        policies = {name: import_callable(spec, f"field {name!r}") if spec else None
-                    for name, spec in (("drafter_buffer_evict", c.drafter_buffer_evict),
-                                       ("drafter_buffer_sample", c.drafter_buffer_sample))}
-        learning = DrafterLearning(c.spot(), drafter_config, Path(run_dir) / "drafter" if run_dir is not None else None,
-                                   log, evict=policies["drafter_buffer_evict"], sample=policies["drafter_buffer_sample"])
+        evict, sample = (import_callable(spec, f"field 'drafter.{name}'") if spec else None
+                         for name, spec in (("buffer_evict", c.drafter.buffer_evict),
+                                            ("buffer_sample", c.drafter.buffer_sample)))
+        learning = DrafterLearning(c.drafter, drafter_config, Path(run_dir) / "drafter" if run_dir is not None else None,
+                                   log, evict=evict, sample=sample, seed=c.seed)
     if workers == 1:
         model = load_model(c.model, dtype=c.rollout_dtype, device=device)
         if drafter == "random":
@@ -389,7 +390,7 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
 
             drafter = Drafter.from_target(model, seed=c.seed).eval()
         engine = RolloutEngine(model, tokenizer, EngineConfig(**engine_fields, progress=c.progress, drafter=drafter))
-        return LocalRollout(engine, learning, c.drafter_local_steps)
+        return LocalRollout(engine, learning, c.drafter.local_steps)
     from tlt.spot.workers import RayPool, WorkerSpec
 
     threads = c.worker_threads or max(1, (c.threads or cores) // workers)
@@ -401,5 +402,5 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
                    gpus_per_worker=worker_gpus, log=log)
     each = f"{threads} thread(s)" + (f", {worker_gpus:g} GPU" if worker_gpus else "")
     log(f"rollout on {workers} Ray workers ({each} each)"
-        + (f", drafter trained on released workers ({c.drafter_train})" if learning is not None else ""))
-    return PooledRollout(pool, learning, log, swap_every=c.drafter_hot_swap_every)
+        + (f", drafter trained on released workers ({c.drafter.train})" if learning is not None else ""))
+    return PooledRollout(pool, learning, log, swap_every=c.drafter.hot_swap_every)

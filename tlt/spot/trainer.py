@@ -11,18 +11,18 @@ update). `max_steps` caps a phase on top. The state that moves between workers (
 drafter's trainable weights, the optimizer state and the counters: the target's embedding and head are
 never part of it.
 
-When to train (`Schedule`): "every" RL step, "every-N" (`every` steps apart), or "acceptance" (the
-default), which trains while the drafter is behind or still learning: when no acceptance length has
-been measured yet, when the current level fell below `fraction` of the best level seen (the policy
-moved away from the drafter), or when it beat the previous best by more than 2% (the last phase
-helped, so the drafter has not converged: a cold-started drafter keeps training until it plateaus). A
-converged drafter under a slowly moving policy trains only when its acceptance drops. The level is the
-median of the last 3 rollouts' acceptance lengths, and the best level fades by 1% per rollout unless
-renewed: one rollout's figure swings by +-15% with which arms the tuner ran and on which samples
-(measured on the default workload), so single rollouts against the all-time best (an extreme of that
-noise, creeping upward) made 16 of 20 steps of a run train, and 87% of the steps of a simulated flat
-series with 8% noise (22% with the level and the fading best). The first phase waits until the buffer
-holds `min_pairs` pairs.
+When to train (`Schedule`, by `train`): "every" RL step, "every-N" (`train_every` steps apart), or
+"acceptance" (the default), which trains while the drafter is behind or still learning: when no
+acceptance length has been measured yet, when the current level fell below `train_fraction` of the
+best level seen (the policy moved away from the drafter), or when it beat the previous best by more
+than 2% (the last phase helped, so the drafter has not converged: a cold-started drafter keeps
+training until it plateaus). A converged drafter under a slowly moving policy trains only when its
+acceptance drops. The level is the median of the last 3 rollouts' acceptance lengths, and the best
+level fades by 1% per rollout unless renewed: one rollout's figure swings by +-15% with which arms the
+tuner ran and on which samples (measured on the default workload), so single rollouts against the
+all-time best (an extreme of that noise, creeping upward) made 16 of 20 steps of a run train, and 87%
+of the steps of a simulated flat series with 8% noise (22% with the level and the fading best). The
+first phase waits until the buffer holds `min_pairs` pairs.
 
 Checkpoints (`DrafterCheckpointer`): a snapshot of the state is taken at once (a copy of a few MB) and
 written by a background thread into a hidden temporary folder, which is renamed into place before
@@ -45,62 +45,11 @@ from pathlib import Path
 
 import torch
 
-from tlt.errors import CheckpointError, ConfigError
+from tlt.errors import CheckpointError
 from tlt.model.rope import RopeTables
 from tlt.model.transformer import OnLMHead
 from tlt.speculative.data import PackedBatch
-
-
-@dataclass(frozen=True)
-class SpotConfig:
-    """when: off, every, every-N or acceptance; lr etc. are the drafter's optimisation; batch_tokens
-    pairs per optimizer step in `rows` rows; window: the last pairs of each response trained on."""
-
-    when: str = "acceptance"
-    every: int = 10
-    fraction: float = 0.9
-    min_pairs: int = 2048
-    lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    batch_tokens: int = 2048
-    rows: int = 4
-    window: int = 256
-    unroll: int = 3  # training-time-test rounds: deeper draft levels feed the drafter its own features
-    feature_weight: float = 1.0
-    token_weight: float = 0.1
-    grad_clip: float = 1.0
-    max_steps: int = 0  # optimizer steps per phase at most (0: until stopped)
-    buffer_mb: int = 256
-    buffer_versions: int = 2
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.when not in ("off", "every", "every-N", "acceptance"):
-            raise ConfigError(f"drafter training 'when' must be off, every, every-N or acceptance, got {self.when!r}")
-        checks = [("every", self.every >= 1, ">= 1"), ("fraction", 0 < self.fraction <= 1, "in (0, 1]"),
-                  ("min_pairs", self.min_pairs >= 1, ">= 1"), ("lr", self.lr > 0, "> 0"),
-                  ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
-                  ("rows", self.rows >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
-                  ("batch_tokens", self.batch_tokens // max(self.rows, 1) >= self.window,
-                   f"at least rows * window = {self.rows * self.window}"),
-                  ("unroll", self.unroll >= 1, ">= 1"), ("grad_clip", self.grad_clip > 0, "> 0"),
-                  ("max_steps", self.max_steps >= 0, ">= 0"), ("buffer_mb", self.buffer_mb >= 1, ">= 1"),
-                  ("buffer_versions", self.buffer_versions >= 1, ">= 1")]
-        for name, ok, expected in checks:
-            if not ok:
-                raise ConfigError(f"drafter training field {name!r} must be {expected}, got {getattr(self, name)!r}")
-
-    @property
-    def row_tokens(self) -> int:
-        return self.batch_tokens // self.rows
-
-    def loss_config(self):
-        from tlt.speculative.train import DrafterTrainConfig
-
-        return DrafterTrainConfig(steps=1, lr=self.lr, batch_tokens=self.batch_tokens, rows=self.rows,
-                                  window=self.window, unroll=self.unroll, feature_weight=self.feature_weight,
-                                  token_weight=self.token_weight, grad_clip=self.grad_clip)
+from tlt.spot.config import SpotConfig
 
 
 IMPROVEMENT = 0.02  # a new best by more than this fraction means the drafter is still learning
@@ -132,13 +81,13 @@ class Schedule:
 
     def due(self, step: int, buffered_pairs: int) -> bool:
         c = self.config
-        if c.when == "off" or buffered_pairs < c.min_pairs:
+        if c.train == "off" or buffered_pairs < c.min_pairs:
             return False
-        if c.when == "every":
+        if c.train == "every":
             return True
-        if c.when == "every-N":
-            return step % c.every == 0
-        return self.last is None or self.improving or self.last < c.fraction * self.best
+        if c.train == "every-N":
+            return step % c.train_every == 0
+        return self.last is None or self.improving or self.last < c.train_fraction * self.best
 
     def state_dict(self) -> dict:
         return {"best": self.best, "recent": list(self.recent), "improving": self.improving}

@@ -1,0 +1,74 @@
+"""TrainConfig's keys: a component's group set by dotted keys or nested YAML, the flat keys of the
+previous release still accepted with a warning naming the new key, errors naming the dotted key and
+its origin, and `tlt train --help-config` listing every key with its default."""
+
+import warnings
+
+import pytest
+
+from tlt.cli import main
+from tlt.config import build, flatten, format_value, from_dict, keys, to_dict
+from tlt.errors import ConfigError
+from tlt.rl import TrainConfig
+
+
+def test_dotted_keys_and_nested_yaml_set_a_groups_fields(tmp_path):
+    (tmp_path / "run.yaml").write_text("steps: 3\ndrafter: {lr: 1.0e-3, train: every}\nloss:\n  kl_coef: 0.05\n")
+    c = build(TrainConfig, tmp_path / "run.yaml", ["drafter.lr=2e-4", "tuner.arms=off,tree-d4-k2-v8",
+                                                     "history.responses=0", "optim.mini_batches=2"])
+    assert (c.steps, c.drafter.lr, c.drafter.train, c.loss.kl_coef) == (3, 2e-4, "every", 0.05)
+    assert c.tuner.arms == ("off", "tree-d4-k2-v8") and c.history.responses == 0 and c.optim.mini_batches == 2
+    assert c.drafter.window == 256 and c.tuner.epsilon == 0.1  # the rest of each group keeps its defaults
+    assert from_dict(TrainConfig, to_dict(c)) == c  # config.json's nested layout reads back
+
+
+def test_a_flat_key_of_the_previous_release_warns_naming_its_new_key(tmp_path):
+    with pytest.warns(FutureWarning) as caught:
+        c = build(TrainConfig, None, ["drafter_lr=1e-4", "drafter=random"])
+    assert c.drafter.lr == 1e-4 and c.drafter.model == "random"
+    assert [str(w.message) for w in caught] == [
+        "command line: key 'drafter_lr' is now 'drafter.lr'; the old name goes in the next release",
+        "command line: key 'drafter' is now 'drafter.model'; the old name goes in the next release"]
+    (tmp_path / "run.yaml").write_text("lr: 0.001\ntuner_arms: off,ngram-d4\n")
+    with pytest.warns(FutureWarning) as caught:
+        c = build(TrainConfig, tmp_path / "run.yaml", ["optim.lr=0.01"])  # the command line still wins
+    assert c.optim.lr == 0.01 and c.tuner.arms == ("off", "ngram-d4")
+    assert [str(w.message).split(": ", 1)[1] for w in caught] == [
+        "key 'lr' is now 'optim.lr'; the old name goes in the next release",
+        "key 'tuner_arms' is now 'tuner.arms'; the old name goes in the next release"]
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="'optim.lr' is given twice"):
+        from_dict(TrainConfig, {"lr": "0.1", "optim.lr": "0.2"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new keys warn about nothing
+        build(TrainConfig, None, ["optim.lr=0.1", "drafter.model=random"])
+
+
+def test_an_unknown_key_names_the_closest_dotted_key():
+    for given, closest in (("tuner.arm", "tuner.arms"), ("drafter.lrr", "drafter.lr"), ("tunr.epsilon", "tuner.epsilon"),
+                           ("tuner_window", "tuner.window")):  # tuner_window was never a flat key
+        with pytest.raises(ConfigError, match=rf"^command line: unknown field '{given}'.*did you mean '{closest}'"):
+            build(TrainConfig, None, [f"{given}=1"])
+
+
+def test_a_bad_value_in_a_group_names_the_dotted_key_and_its_origin(tmp_path):
+    (tmp_path / "run.yaml").write_text("drafter: {lr: 0}\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: field 'drafter.lr' must be > 0, got 0"):
+        build(TrainConfig, tmp_path / "run.yaml")
+    with pytest.raises(ConfigError, match=r"^command line: field 'tuner.epsilon': expected float, got 'lots'"):
+        build(TrainConfig, tmp_path / "run.yaml", ["tuner.epsilon=lots"])
+    with pytest.raises(ConfigError, match=r"^command line: field 'drafter.batch_tokens' must be at least rows \* window"):
+        build(TrainConfig, None, ["drafter.window=4096"])  # a default blamed on the key that broke it
+    with pytest.raises(ConfigError, match=r"field 'drafter' must be a SpotConfig \(set its keys as drafter.NAME\)"):
+        TrainConfig(drafter="random")  # in Python, a group takes its component's config
+
+
+def test_help_config_lists_every_key_with_its_default(capsys):
+    assert main(["train", "--help-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    defaults = flatten(to_dict(TrainConfig()))
+    assert set(defaults) == set(keys(TrainConfig)) and len(defaults) > 90
+    for key, default in defaults.items():
+        line = next((x for x in lines if x.startswith(f"{key}=")), None)
+        assert line is not None, key
+        assert line.split()[0] == f"{key}={format_value(default)}" and len(line.split()) > 1, line  # and a meaning
+    assert "drafter.*: the learned drafter and its online training on released workers" in lines
