@@ -30,14 +30,39 @@ def config(model_dir, **overrides):
 LEARNING = {"model": "random", "train": "every", "min_pairs": 1, "batch_tokens": 128, "window": 32}
 
 
-@pytest.mark.parametrize("old_logprobs", ["rollout", "recompute"])
+@pytest.mark.parametrize("old_logprobs,dtype", [("rollout", "float32"), ("recompute", "float32"),
+                                                ("recompute", "bfloat16")])
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
-def test_importance_ratio_starts_at_one(model_dir, old_logprobs, warp):
-    trainer = GRPOTrainer(config(model_dir, loss={"old_logprobs": old_logprobs}, **warp))
+def test_importance_ratio_starts_at_one(model_dir, old_logprobs, dtype, warp):
+    trainer = GRPOTrainer(config(model_dir, loss={"old_logprobs": old_logprobs}, dtype=dtype, **warp))
+    recomputed = []
+    recompute = trainer.recomputed_logprobs
+    trainer.recomputed_logprobs = lambda episodes: recomputed.append(recompute(episodes)[0]) or (recomputed[-1], {})
     row = trainer.train_step()
     assert row["ratio_first_max_dev"] < 1e-3
     assert row["loss"] != 0.0  # the reward varies, so there was something to learn from
+    if old_logprobs == "recompute":
+        # Recomputed for exactly the responses the update's forward runs (advantage 0 ones need none)...
+        assert len(recomputed[0]) == row["responses_in_update"]
+        if dtype == "bfloat16":  # ...packed as it packs them: under autocast both run the same operators
+            assert row["ratio_first_max_dev"] == 0.0
     trainer.close()
+
+
+def test_update_slices_leave_out_zero_advantage_responses_unless_kl_or_entropy_reads_them(model_dir):
+    from types import SimpleNamespace
+
+    from tlt.rl.update import update_slices
+
+    items = [SimpleNamespace(group=g, advantage=a, prompt_ids=[1, 2], completion_ids=[3] * (1 + i))
+             for i, (g, a) in enumerate([(0, 0.0), (0, 0.0), (1, 0.5), (1, -0.5), (2, 0.0), (2, 1.0)])]
+    c = config(model_dir, optim={"mini_batches": 2})
+    slices = update_slices(items, c)
+    assert [[id(s) for s in batch] for batch, _, _ in slices] == [[id(s) for s in items[:4]], [id(s) for s in items[4:]]]
+    assert [[s.advantage for s in active] for _, active, _ in slices] == [[0.5, -0.5], [1.0]]
+    assert sorted(id(e) for _, _, mbs in slices for mb in mbs for e in mb.episodes) == sorted(id(s) for s in items[2:4] + items[5:])
+    with_kl = update_slices(items, config(model_dir, optim={"mini_batches": 2}, loss={"kl_coef": 0.1}))
+    assert sum(len(active) for _, active, _ in with_kl) == len(items)
 
 
 def test_weights_reach_the_engine_with_their_version(model_dir):

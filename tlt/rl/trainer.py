@@ -34,9 +34,9 @@ from tlt.device import resolve_device
 from tlt.errors import CheckpointError, ConfigError, TrainingError
 from tlt.rl.config import TrainConfig
 from tlt.rl.distributed import Replicas
-from tlt.rl.episode import Episode, MicroBatch, pack
+from tlt.rl.episode import Episode, MicroBatch
 from tlt.rl.grpo import group_advantages, zero_variance_groups
-from tlt.rl.update import Diverged, Sample, build_optimizer, token_logprobs, update_policy
+from tlt.rl.update import Diverged, Sample, build_optimizer, token_logprobs, update_policy, update_slices
 from tlt.speculative.history import HistoryStore
 from tlt.spot.rollout import make_rollout, rollout_layout  # noqa: F401 (rollout_layout: re-exported)
 
@@ -308,14 +308,16 @@ class GRPOTrainer:
 
     def recomputed_logprobs(self, episodes: list[Episode]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Old log-probs recomputed by the trainer (when configured) and reference log-probs (with KL), per
-        episode id(); an empty dict means "use the engine's" / "no reference"."""
+        episode id() of the responses the update's forward runs; an empty dict means "use the engine's" /
+        "no reference"."""
         c = self.config
         old, ref = {}, {}
         recompute = c.loss.old_logprobs == "recompute"
         if not recompute and self.reference is None:
             return old, ref
         with torch.no_grad():
-            for mb in pack(episodes, c.optim.row_tokens, c.optim.micro_batch_tokens):
+            # The update's own micro-batches: the responses its forward runs, packed as it packs them.
+            for mb in (mb for _, _, micro_batches in update_slices(episodes, c) for mb in micro_batches):
                 spans = _spans(mb.episodes)
                 if recompute:
                     lp, _ = self.token_logprobs(self.policy, mb)
@@ -336,7 +338,8 @@ class GRPOTrainer:
 
     def update(self, episodes: list[Episode], old: dict, ref: dict) -> dict:
         """The optimizer steps of one RL step (update.update_policy), over every trainer process."""
-        samples = [Sample.of(e, old, ref) for e in episodes]
+        recomputed = self.config.loss.old_logprobs == "recompute"
+        samples = [Sample.of(e, old, ref, recomputed) for e in episodes]
         lr = self.learning_rate(self.step)
         try:
             if self.replicas is None:

@@ -44,13 +44,14 @@ class Sample:
     rollout_logprobs: torch.Tensor | None = None  # [T] the engine's, when old_logprobs were recomputed
 
     @classmethod
-    def of(cls, episode: Episode, old: dict, ref: dict) -> "Sample":
+    def of(cls, episode: Episode, old: dict, ref: dict, recomputed: bool) -> "Sample":
         """From an episode and the trainer's recomputed old / reference log-probs keyed by id(episode)
-        (an empty `old` means the engine's log-probs). Copies, so no view pins a micro-batch's tensor."""
+        (`recomputed` False: the engine's log-probs are the old ones). A response the update's forward
+        skips has none recomputed and needs none. Copies, so no view pins a micro-batch's tensor."""
         rollout = torch.tensor(episode.logprobs)
-        old_lp = old[id(episode)].clone() if old else rollout
+        old_lp = old[id(episode)].clone() if id(episode) in old else rollout
         return cls(episode.group, episode.prompt_ids, episode.completion_ids, episode.advantage, old_lp,
-                   ref[id(episode)].clone() if ref else None, rollout if old else None)
+                   ref[id(episode)].clone() if ref else None, rollout if recomputed else None)
 
 
 def build_optimizer(policy: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
@@ -115,6 +116,26 @@ def all_reduce_sum(tensors: list[torch.Tensor], world: int, bucket: int = 1 << 2
             t.copy_(part.view_as(t))
 
 
+def update_slices(items: list, config: TrainConfig, rank: int = 0,
+                  world: int = 1) -> list[tuple[list, list, list[MicroBatch]]]:
+    """The optimizer steps of an update over `items` (samples or episodes, with their group and advantage):
+    per step, its slice of the groups, the slice's responses the forward runs (on all ranks together)
+    and the micro-batches of this rank's share of them. A response with advantage 0 adds exactly nothing to the surrogate's gradient; unless KL
+    or entropy terms touch it, it is left out of the forward (it still counts in the normaliser), so
+    the many all-equal groups cost no compute. The trainer recomputes old log-probs over these very
+    micro-batches, so the first one's ratio is exactly 1."""
+    c, loss = config.optim, config.loss
+    groups = sorted({s.group for s in items})
+    slices = [set(s.tolist()) for s in np.array_split(np.array(groups), min(c.mini_batches, len(groups)))]
+    skip = loss.skip_zero_advantage and loss.kl_coef == 0 and loss.entropy_coef == 0
+    out = []
+    for members in slices:
+        batch = [s for s in items if s.group in members]
+        active = [s for s in batch if s.advantage != 0.0] if skip else batch
+        out.append((batch, active, pack(shard(active, rank, world), c.row_tokens, c.micro_batch_tokens)))
+    return out
+
+
 def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig, samples: list[Sample], lr: float,
                   rank: int = 0, world: int = 1) -> dict:
     """`config.optim.mini_batches` optimizer steps over `samples`, this rank running its share of each slice;
@@ -122,26 +143,19 @@ def update_policy(policy, optimizer: torch.optim.Optimizer, config: TrainConfig,
     every rank but the first micro-batch's ratio deviation, which is this rank's)."""
     c, loss_config = config.optim, config.loss
     device = policy.device
-    groups = sorted({s.group for s in samples})
-    slices = [set(s.tolist()) for s in np.array_split(np.array(groups), min(c.mini_batches, len(groups)))]
     for group in optimizer.param_groups:
         group["lr"] = lr
+    slices = update_slices(samples, config, rank, world)
     totals = {"loss": 0.0, "grad_norm": 0.0, **{k: 0.0 for k in PARTS}}
     first_dev = None
-    # A response with advantage 0 adds exactly nothing to the surrogate's gradient; unless KL or
-    # entropy terms touch it, it is left out of the forward but still counted in the normaliser,
-    # so the update is unchanged and the many all-equal groups cost no compute.
-    skip = loss_config.skip_zero_advantage and loss_config.kl_coef == 0 and loss_config.entropy_coef == 0
     params = list(policy.parameters())
     policy.train()
     ran = 0
-    for members in slices:
-        batch = [s for s in samples if s.group in members]
+    for batch, active, micro_batches in slices:
         n_tokens = sum(len(s.completion_ids) for s in batch)
-        active = [s for s in batch if s.advantage != 0.0] if skip else batch
         optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(2 + len(PARTS), dtype=torch.float64, device=device)  # loss, weight seen, PARTS
-        for mb in pack(shard(active, rank, world), c.row_tokens, c.micro_batch_tokens):
+        for mb in micro_batches:
             logp, ent = token_logprobs(policy, mb, config, with_entropy=True)
             lengths = torch.tensor([len(s.completion_ids) for s in mb.episodes])
             old_lp = torch.cat([s.old_logprobs for s in mb.episodes]).to(device)  # [N]
