@@ -24,8 +24,8 @@ one does.
 Forwards of more than MAX_ROWS tokens take the reference layer (except in bf16 on tlt's kernels),
 whose separate products are the faster once the products dominate (the stacked gate|up and the
 strided q/k slices cost more than the calls they save). In float32 the result equals the reference
-layer up to rounding (about 1e-6: the products and the norm multiply in another order); in bf16 the folded weights round once more,
-within bf16's tolerance of transformers' bf16 layers. On a GPU the fused step runs in float32 only
+layer up to rounding (about 1e-6: the products and the norm multiply in another order); in bf16 the
+folded weights round once more, within bf16's tolerance of transformers' bf16 layers. On a GPU the fused step runs in float32 only
 (half precision keeps the reference layer there). Training (gradients on) always runs the reference
 layer on the parameters themselves.
 

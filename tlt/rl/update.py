@@ -49,6 +49,8 @@ class Sample:
         (`recomputed` False: the engine's log-probs are the old ones). A response the update's forward
         skips has none recomputed and needs none. Copies, so no view pins a micro-batch's tensor."""
         rollout = torch.tensor(episode.logprobs)
+        if recomputed and id(episode) not in old and episode.advantage != 0.0:
+            raise KeyError(f"no recomputed old log-probs for a response the update runs (advantage {episode.advantage})")
         old_lp = old[id(episode)].clone() if id(episode) in old else rollout
         return cls(episode.group, episode.prompt_ids, episode.completion_ids, episode.advantage, old_lp,
                    ref[id(episode)].clone() if ref else None, rollout if recomputed else None)
