@@ -192,3 +192,66 @@ def test_attention_of_a_tree_node_equals_its_plain_decoding_bit_for_bit():
     tree = kernels.attention(q, keys, values, mask)
     plain = kernels.attention(q, keys[:, :, seen].contiguous(), values[:, :, seen].contiguous(), None)
     assert torch.equal(tree, plain)
+
+
+@needs_kernels
+def test_silu_mul_equals_torch_bit_for_bit():
+    """silu(gate) * up as torch computes it in bf16 (silu rounded first), over large and small gates."""
+    gate_up = (bf16(37, 2 * 90, seed=31) * 6).contiguous()
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, float("inf"), float("-inf")]).bfloat16()
+    out = kernels.silu_mul(gate_up)
+    expected = F.silu(gate_up[:, :90]) * gate_up[:, 90:]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)  # silu(-inf) * up is NaN in both
+    # rows independent of the row count
+    torch.testing.assert_close(kernels.silu_mul(gate_up[:3]), out[:3], rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("input_norm", [True, False])
+@pytest.mark.parametrize("masked", [True, False])
+def test_layer_step_equals_its_operators_one_by_one(input_norm, masked):
+    """The whole layer in one call gives the bits of the kernels called one at a time (norm, q|k|v, q/k
+    norm with RoPE and the cache write, attention, o + residual, norm, gate|up, silu * up, down +
+    residual), on rows of unequal length, and writes the same cache."""
+    from tlt.model.kv_cache import KVCache
+    from tlt.model.rope import rope_tables
+
+    B, T, hidden, H, Hkv, D, inter = 2, 3, 64, 4, 2, 16, 96
+    weights = [bf16((H + 2 * Hkv) * D, hidden, seed=41), bf16(hidden, H * D, seed=42),
+               bf16(2 * inter, hidden, seed=43), bf16(hidden, inter, seed=44)]
+    packs, sizes = [cpu_kernels.pack(w) for w in weights], [w.shape[0] for w in weights]
+    biases = [torch.randn(sizes[0], generator=torch.Generator().manual_seed(45)), None, None, None]
+    qk_norm = torch.rand(H + Hkv, D, generator=torch.Generator().manual_seed(46)) + 0.5
+    x = bf16(B, T, hidden, seed=47)
+    lengths = torch.tensor([5, 2])
+    cos, sin = rope_tables(lengths[:, None] + torch.arange(T), 1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0,
+                           torch.bfloat16)
+    caches = []
+    for _ in range(2):
+        cache = KVCache(1, B, Hkv, D, dtype=torch.float32)
+        cache.reserve(8)
+        cache.store.normal_(generator=torch.Generator().manual_seed(48))
+        cache.lengths = lengths.clone()
+        caches.append(cache)
+    mask = None
+    if masked:
+        allowed = torch.rand(B, 1, T, 8, generator=torch.Generator().manual_seed(49)) < 0.7
+        allowed[..., 0] = True
+        mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+    eps = 1e-6 if input_norm else -1.0
+    keys, values, S = caches[0].buffers(0, T)
+    out = kernels.layer_step(x, eps, packs, sizes, biases, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
+                             caches[0].lengths, S, mask)
+
+    keys1, values1, _ = caches[1].buffers(0, T)
+    x2 = x.view(B * T, hidden)
+    normed = kernels.rms_norm(x2[None], None, eps)[0] if input_norm else x2
+    qkv = kernels.linear(normed, packs[0], sizes[0], biases[0], None).view(B, T, H + 2 * Hkv, D)
+    q = kernels.rope_write(qkv, H, qk_norm, 1e-5, cos.reshape(B, T, D), sin.reshape(B, T, D), keys1, values1,
+                           caches[1].lengths)
+    attended = kernels.attention(q, keys1[:, :, :S], values1[:, :, :S], mask).view(B * T, H * D)
+    h = kernels.linear(attended, packs[1], sizes[1], None, x2)
+    gate_up = kernels.linear(kernels.rms_norm(h[None], None, 1e-6)[0], packs[2], sizes[2], None, None)
+    expected = kernels.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], packs[3], sizes[3], None, h)
+    assert torch.equal(out, expected.view(B, T, hidden))
+    assert torch.equal(caches[0].store, caches[1].store)

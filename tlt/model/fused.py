@@ -95,6 +95,14 @@ class FusedWeights:
     gate_up: PackedLinear  # [2 I, hidden], the post-attention norm's weight folded in
     down: PackedLinear  # [hidden, I]
 
+    def __post_init__(self) -> None:
+        # The four products as the kernels' layer_step takes them.
+        products = (self.qkv, self.o, self.gate_up, self.down)
+        self.weights = [p.weight for p in products]
+        self.sizes = [p.out_features for p in products]
+        self.biases = [p.bias for p in products]
+        self.on_kernels = all(p.kernels is not None for p in products)
+
     @classmethod
     def build(cls, layer: nn.Module) -> "FusedWeights":
         a, mlp, norm_in, norm_post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
@@ -140,26 +148,25 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
     weights; x [B, T, hidden]."""
     H, Hkv, D = fused.heads, fused.kv_heads, fused.head_dim
     B, T, hidden = x.shape
-    x2 = x.reshape(B * T, hidden)
     kernels = fused.qkv.kernels
-    qkv = fused.qkv(x2 if fused.input_eps is None else _normed(x2, fused.input_eps, kernels)).view(B, T, H + 2 * Hkv, D)
-    if (kernels is not None and cache is not None and cache.dtype == torch.float32 and D <= cpu_kernels.MAX_HEAD_DIM
+    if (fused.on_kernels and cache is not None and cache.dtype == torch.float32 and D <= cpu_kernels.MAX_HEAD_DIM
             and (mask is None or mask.dtype == torch.float32) and cos.dtype == torch.bfloat16):
-        # q/k norm, RoPE and the cache write in one kernel, then attention over the float32 cache.
+        # The whole layer in one call of the kernels (the operators below, without a Python call each).
         keys, values, S = cache.buffers(index, T)
-        q = kernels.rope_write(qkv, H, fused.qk_norm_f32, fused.qk_eps, cos.expand(B, T, 1, D).reshape(B, T, D),
-                               sin.expand(B, T, 1, D).reshape(B, T, D), keys, values, cache.lengths)
-        out = kernels.attention(q, keys[:, :, :S], values[:, :, :S], mask).view(B * T, H * D)
-    else:
-        qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]
-        if fused.qk_norm is not None:
-            qk = _qk_normed(fused, qk)
-        qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H + H_kv, T, D]
-        q, k = qk[:, :H], qk[:, H:]
-        v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
-        if cache is not None:
-            k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
-        out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
+        return kernels.layer_step(x.contiguous(), -1.0 if fused.input_eps is None else fused.input_eps,
+                                  fused.weights, fused.sizes, fused.biases, H, fused.qk_norm_f32, fused.qk_eps,
+                                  fused.post_eps, cos, sin, keys, values, cache.lengths, S, mask)
+    x2 = x.reshape(B * T, hidden)
+    qkv = fused.qkv(x2 if fused.input_eps is None else _normed(x2, fused.input_eps, kernels)).view(B, T, H + 2 * Hkv, D)
+    qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]
+    if fused.qk_norm is not None:
+        qk = _qk_normed(fused, qk)
+    qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H + H_kv, T, D]
+    q, k = qk[:, :H], qk[:, H:]
+    v = qkv[:, :, H + Hkv :].transpose(1, 2)  # [B, H_kv, T, D]
+    if cache is not None:
+        k, v = cache.write(index, k, v)  # [B, H_kv, S, D]
+    out = attend(q, k, v, mask).transpose(1, 2).reshape(B * T, H * D)
     x2 = fused.o.add(x2, out)
     gate_up = fused.gate_up(_normed(x2, fused.post_eps, kernels))  # [B T, 2 I]
     inter = gate_up.shape[1] // 2

@@ -387,7 +387,7 @@ inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 }  // namespace
 
 // qkv [B, T, H + 2 H_kv, D] bf16 contiguous (heads: H queries, H_kv keys, H_kv values); norm [H + H_kv, D]
-// float32 or undefined (no q/k norm); cos, sin [B, T, D] bf16 contiguous (tlt/model/rope.py's tables:
+// float32 or undefined (no q/k norm); cos, sin [B or 1, T, D] bf16, rows contiguous (tlt/model/rope.py's tables:
 // x * cos + roll(x, D / 2) * sin); keys, values [B, H_kv, C, D] float32 (rows of D contiguous); slots [B]
 // int64: row b's T new tokens go to slots[b] .. slots[b] + T - 1. Returns q [B, H, T, D] bf16.
 torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tensor> norm, double eps, torch::Tensor cos,
@@ -396,9 +396,10 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
               "rope_write: qkv must be [B, T, heads, D] bf16, contiguous");
   int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(3), Hkv = (qkv.size(2) - H) / 2;
   TORCH_CHECK(H > 0 && Hkv > 0 && H + 2 * Hkv == qkv.size(2) && D % 2 == 0 && D <= 256, "rope_write: bad head counts");
-  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.numel() == B * T * D && sin.numel() == B * T * D,
-              "rope_write: cos and sin must be [B, T, D] bf16, contiguous");
+  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 && cos.dim() == 3 &&
+              cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && (cos.size(0) == B || cos.size(0) == 1) &&
+              cos.size(1) == T && cos.size(2) == D && cos.stride(2) == 1,
+              "rope_write: cos and sin must be [B or 1, T, D] bf16 with contiguous rows");
   TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 && keys.dim() == 4 &&
               keys.sizes() == values.sizes() && keys.size(0) == B && keys.size(1) == Hkv && keys.size(3) == D &&
               keys.stride(3) == 1 && values.stride(3) == 1, "rope_write: keys and values must be [B, H_kv, C, D] float32");
@@ -427,8 +428,9 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
     for (int64_t i = i0; i < i1; ++i) {
       int64_t b = i / T, t = i % T;
       const uint16_t* row = src + i * heads * D;
-      const uint16_t* c = cp + i * D;
-      const uint16_t* sn = sp + i * D;
+      int64_t rope_at = (cos.size(0) == 1 ? 0 : b * cos.stride(0)) + t * cos.stride(1);
+      const uint16_t* c = cp + rope_at;
+      const uint16_t* sn = sp + rope_at;
       for (int64_t h = 0; h < heads; ++h) {
         const uint16_t* head = row + h * D;
         if (h >= H + Hkv) {  // a value head: copied as it is
@@ -458,10 +460,74 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
   return q;
 }
 
+namespace {
+// silu(g) * u with silu rounded to bf16 first, as torch's bf16 `F.silu(g) * u` rounds: sigmoid from the
+// exp of -|g| (never overflows).
+TARGET void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = tail_mask(n - i);
+    __m512 x = load_bf16(m, g + i);
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 sig = _mm512_mask_mul_ps(r, negative, e, r);  // x < 0: e / (1 + e)
+    __m512 silu = _mm512_mul_ps(x, sig);
+    silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
+    store_bf16(m, out + i, _mm512_mul_ps(silu, load_bf16(m, u + i)));
+  }
+}
+}  // namespace
+
+// gate_up [M, 2 I] bf16 (rows contiguous) -> [M, I] bf16: silu(gate) * up.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kBFloat16 && gate_up.stride(1) == 1 &&
+              gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [M, 2 I] bf16 with contiguous rows");
+  int64_t M = gate_up.size(0), I = gate_up.size(1) / 2, s = gate_up.stride(0);
+  auto out = torch::empty({M, I}, gate_up.options());
+  auto gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // A few rows (a decode step) on one thread: a fork costs more than the work.
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) silu_mul_row(gp + m * s, gp + m * s + I, op + m * I, I);
+  });
+  return out;
+}
+
+// One decoder layer's inference step on the packed weights of tlt/model/fused.py's FusedWeights, the
+// operators fused_layer_step calls one by one, in one call: x [B, T, hidden] bf16 contiguous;
+// input_eps < 0: no input norm (a drafter's layer); weights[i] packed for linear, sizes[i] its N,
+// biases[i] float32 or undefined, for i = q|k|v, o, gate|up, down; qk_norm as rope_write's; cos, sin
+// [B or 1, T, (1,) D]; keys, values the layer's cache buffers with room for T more per row, slots [B] the
+// rows' lengths, S the slots attention reads; mask as attention's over those S slots.
+torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::Tensor> weights,
+                         std::vector<int64_t> sizes, std::vector<c10::optional<torch::Tensor>> biases, int64_t H,
+                         c10::optional<torch::Tensor> qk_norm, double qk_eps, double post_eps, torch::Tensor cos,
+                         torch::Tensor sin, torch::Tensor keys, torch::Tensor values, torch::Tensor slots, int64_t S,
+                         c10::optional<torch::Tensor> mask) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "layer_step: x must be [B, T, hidden], contiguous");
+  TORCH_CHECK(weights.size() == 4 && sizes.size() == 4 && biases.size() == 4, "layer_step: four products expected");
+  int64_t B = x.size(0), T = x.size(1), hidden = x.size(2), D = keys.size(3);
+  TORCH_CHECK(S <= keys.size(2), "layer_step: S past the cache buffers");
+  if (cos.dim() == 4) cos = cos.select(2, 0), sin = sin.select(2, 0);  // rope tables [B or 1, T, 1, D]
+  auto x2 = x.view({B * T, hidden});
+  auto normed = input_eps < 0 ? x2 : rms_norm(x2.unsqueeze(0), c10::nullopt, input_eps).squeeze(0);
+  auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt);
+  auto q = rope_write(qkv.view({B, T, sizes[0] / D, D}), H, qk_norm, qk_eps, cos, sin, keys, values, slots);
+  auto ks = keys.narrow(2, 0, S), vs = values.narrow(2, 0, S);
+  auto attended = attention(q, ks, vs, mask).view({B * T, -1});
+  auto h = linear(attended, weights[1], sizes[1], biases[1], x2);
+  auto gate_up = linear(rms_norm(h.unsqueeze(0), c10::nullopt, post_eps).squeeze(0), weights[2], sizes[2], biases[2],
+                        c10::nullopt);
+  return linear(silu_mul(gate_up), weights[3], sizes[3], biases[3], h).view({B, T, hidden});
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write);
   m.def("attention", &attention);
   m.def("supported", &supported);
   m.def("linear", &linear);
   m.def("rms_norm", &rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("layer_step", &layer_step);
 }
