@@ -138,7 +138,8 @@ def test_bf16_fused_step_within_bf16_rounding_of_float32(tiny_model, packing):
     qkv = half.model.layers[0].fused_weights().qkv
     assert qkv.packed == (packing != "no oneDNN")
     assert (qkv.kernels is not None) == (packing == "column-major" and cpu_kernels.kernels() is not None)
-    assert cache.dtype == torch.float32  # bf16 keys and values are cached in float32 on the CPU
+    # bf16 keys and values are cached in bf16 where the kernels run, in float32 for the operator path
+    assert cache.dtype == (torch.bfloat16 if qkv.kernels is not None else torch.float32)
     got = torch.cat([prefill, rest], 1).float()
     assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
 
@@ -240,3 +241,22 @@ def test_packed_rows_do_not_depend_on_how_many_rows_are_multiplied(dtype, kernel
         assert same(linear.add(residual[:m], x[:m])[0], linear.add(residual, x)[0])
     assert torch.equal(linear(x[None, :1])[0, 0], linear(x[:1])[0])
     assert linear(x[:1]).shape == (1, 96) and linear.add(residual[:1], x[:1]).shape == (1, 96)
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="tlt's bf16 CPU kernels do not run on this machine")
+def test_bf16_and_float32_caches_give_the_same_logits(tiny_model):
+    """A bf16 model's cache holds bf16 values in either dtype, so the kernels' forwards over a bf16 and a
+    float32 cache agree bit for bit: prefill, one-token steps, a padded tree-masked verification."""
+    half = tiny_model(seed=5).bfloat16()
+    ids = torch.randint(3, 61, (2, 10), generator=torch.Generator().manual_seed(2))
+    tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]]).expand(2, 3, 3)
+    logits = {}
+    with torch.inference_mode():
+        for dtype in (torch.bfloat16, torch.float32):
+            cache = half.new_cache(2, dtype=dtype)
+            out = [half(ids[:, :6], cache=cache).logits, half(ids[:, 6:7], cache=cache).logits]
+            cache.rollback(torch.tensor([7, 5]))
+            out.append(half(ids[:, 7:10], cache=cache, tree_mask=tree,
+                            position_ids=cache.lengths[:, None] + torch.tensor([0, 1, 1])).logits)
+            logits[dtype] = torch.cat(out, 1)
+    assert torch.equal(logits[torch.bfloat16], logits[torch.float32])

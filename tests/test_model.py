@@ -355,7 +355,7 @@ def test_attend_equals_scaled_dot_product_attention(heads, kv_heads):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bf16_logits_within_bf16_rounding_of_transformers_bf16(hf_folder, arch):
-    """bf16 on the CPU runs the fused step on prepacked oneDNN weights with a float32 KV cache; its logits
+    """bf16 on the CPU runs the fused step on tlt's kernels with a bf16 KV cache; its logits
     (a padded prefill, then cached decode steps of 1 and 3 tokens) stray from float32's no further than
     transformers' own bf16 forward does, on the same weights."""
     hf, folder = hf_folder(arch, **ROPE_CASES[arch])

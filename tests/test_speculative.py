@@ -79,7 +79,7 @@ def test_greedy_speculative_equals_plain(strategy, kind):
 
 @pytest.mark.parametrize("strategy", ["chain-d3", "tree-d4-k3-v10"])
 def test_greedy_speculative_equals_plain_in_bf16(strategy):
-    """bf16 rollouts (prepacked oneDNN weights, float32 KV cache): verifying 4-10 tokens in one forward
+    """bf16 rollouts (tlt's kernels and a bf16 KV cache, or oneDNN weights and a float32 one): verifying 4-10 tokens in one forward
     picks the same greedy tokens as decoding them one by one."""
     target = random_target(scale=0.6).bfloat16()
     prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
@@ -124,8 +124,8 @@ def test_logprobs_and_features_equal_full_forward(strategy):
 @pytest.mark.parametrize("strategy", ["tree-d4-k3-v10", "ngram-d4"])
 def test_target_only_verification_reproduces_plain_sampling(strategy, dtype):
     """Tree and n-gram verification draw each token with the uniform plain decoding uses at that
-    position, so with the same seed the samples are the same, token for token (bf16 too: prepacked
-    weights, float32 KV cache)."""
+    position, so with the same seed the samples are the same, token for token (bf16 too: tlt's kernels
+    and a bf16 KV cache)."""
     target = random_target(seed=4).to(dtype)
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5]]
     params = tlt.SamplingParams(n=4, temperature=1.0, max_tokens=30, seed=11, ignore_eos=True)

@@ -6,7 +6,7 @@ products stream 11-15 GB/s at one row, this kernel 25-30 GB/s, and it stays as f
 oneDNN's up to 512 rows (`tlt bench roofline` measures both). It computes each output element with one
 float32 accumulator in a fixed order, so a row's result does not depend on how many rows are
 multiplied. Its rms norm replaces the several operators (5-60 us each) of `F.rms_norm` in bf16, and its
-attention of bf16 queries over the float32 cache reads each kv head's keys once for all the queries
+attention of bf16 queries over the cache (bf16, or float32) reads each kv head's keys once for all the queries
 that share it (a 9-token verification over 1500 cached tokens: about half the time of
 `scaled_dot_product_attention`).
 

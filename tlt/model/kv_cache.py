@@ -17,10 +17,13 @@ index arithmetic leaks into the engine:
   - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch);
   - `fork(counts)`: repeat each row counts[b] times (n samples of one prompt share one prefill);
   - `concat(caches)`: join batches (admitting freshly prefilled requests).
-Keys and values of a bf16 model on the CPU are stored in float32 (`cache_dtype`): CPU batched matmuls in
-bf16 cost 2-5x their float32 twins at decode sizes (and 5x more again on a cache slice), so attention
-runs in float32 on bf16 q/k/v, which also keeps its precision. This doubles the cache's bytes, small
-next to the weights a small-batch decode step streams.
+Keys and values of a bf16 model on the CPU are stored in bf16 where tlt's kernels run (their attention
+reads bf16 keys and values into float32 arithmetic; at 8 rows of 1,500 cached tokens the cache is
+more bytes per step than the weights, so half of them is a faster step) and in float32 otherwise
+(`cache_dtype`): CPU batched matmuls in bf16 cost 2-5x their float32 twins at decode sizes, so the
+operator path runs attention in float32. Either cache holds the same values (bf16-rounded keys and
+values), so the choice changes speed, never a result. Attention masks of a bf16 cache stay float32
+(`mask_dtype`).
 The shortest and longest row lengths are kept as Python ints next to `lengths`, read once per change
 (not at all when every row advances alike), so writes and masks do not read them from the device.
 """
@@ -30,9 +33,21 @@ from __future__ import annotations
 import torch
 
 
-def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype keys and values of a model in `dtype` on `device` are cached in (module docstring)."""
-    return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+def cache_dtype(dtype: torch.dtype, device: torch.device, head_dim: int) -> torch.dtype:
+    """The dtype keys and values of a model in `dtype` on `device` with heads of `head_dim` are cached
+    in (module docstring)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return dtype
+    from tlt.model import cpu_kernels, packed
+
+    on_kernels = packed.KERNELS and head_dim <= cpu_kernels.MAX_HEAD_DIM and cpu_kernels.kernels() is not None
+    return torch.bfloat16 if on_kernels else torch.float32
+
+
+def mask_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the additive attention masks over a cache in `cache_dtype` (float32 for a bf16 cache
+    on the CPU, as tlt's kernels and the float32 operator path read them)."""
+    return torch.float32 if cache_dtype == torch.bfloat16 and torch.device(device).type == "cpu" else cache_dtype
 
 
 class KVCache:
@@ -56,7 +71,7 @@ class KVCache:
     def for_model(cls, model: torch.nn.Module, batch_size: int, **kwargs) -> "KVCache":
         c = model.config
         p = next(model.parameters())
-        kwargs.setdefault("dtype", cache_dtype(p.dtype, p.device))
+        kwargs.setdefault("dtype", cache_dtype(p.dtype, p.device, c.head_dim))
         kwargs.setdefault("device", p.device)
         return cls(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, **kwargs)
 

@@ -31,7 +31,7 @@ from torch import nn
 from tlt.model.attention import attend
 from tlt.model.config import ModelConfig
 from tlt.model.fused import FusedWeights, fused_layer_step, parameters_of, uses_fused_step
-from tlt.model.kv_cache import KVCache
+from tlt.model.kv_cache import KVCache, mask_dtype
 from tlt.model.layout import ColumnMajorLinears, column_major_linears
 from tlt.model.packed import Prepared, inference_linear
 from tlt.model.rope import RopeTables, apply_rope, inverse_frequencies
@@ -264,7 +264,7 @@ class Transformer(ColumnMajorLinears, OnLMHead, nn.Module):
             base = cache.lengths
             position_ids_used = base[:, None] + torch.arange(T, device=device) if position_ids is None else position_ids
             bound = cache.max_length + T if position_ids is None else None
-            mask = attention_mask_for(cache, T, tree_mask, attention_mask, cache.dtype)
+            mask = attention_mask_for(cache, T, tree_mask, attention_mask, mask_dtype(cache.dtype, cache.device))
         cos, sin = self.rope(position_ids_used, self.inv_freq, self.rope_scaling_factor, x.dtype, bound)
         wanted = set(output_layers)
         layer_states = {}

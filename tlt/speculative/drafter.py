@@ -36,7 +36,7 @@ from torch import nn
 
 from tlt.errors import CheckpointError
 from tlt.model.config import ModelConfig
-from tlt.model.kv_cache import KVCache, cache_dtype
+from tlt.model.kv_cache import KVCache, cache_dtype, mask_dtype
 from tlt.model.layout import ColumnMajorLinears
 from tlt.model.packed import Prepared, inference_linear
 from tlt.model.transformer import DecoderLayer, Transformer, additive, attention_mask_for, training_mask
@@ -117,7 +117,7 @@ class Drafter(ColumnMajorLinears, nn.Module):
 
     def new_cache(self, batch_size: int, **kwargs) -> KVCache:
         c = self.target.config
-        kwargs.setdefault("dtype", cache_dtype(self.fc.weight.dtype, self.fc.weight.device))
+        kwargs.setdefault("dtype", cache_dtype(self.fc.weight.dtype, self.fc.weight.device, c.head_dim))
         kwargs.setdefault("device", self.fc.weight.device)
         return KVCache(1, batch_size, c.num_key_value_heads, c.head_dim, **kwargs)
 
@@ -151,7 +151,7 @@ class Drafter(ColumnMajorLinears, nn.Module):
         if cache is None:
             mask = additive(training_mask(attention_mask, position_ids, B, T, x.device), x.dtype)
         else:
-            mask = attention_mask_for(cache, T, tree_mask, attention_mask, cache.dtype)
+            mask = attention_mask_for(cache, T, tree_mask, attention_mask, mask_dtype(cache.dtype, cache.device))
         cos, sin = target.rope(position_ids, target.inv_freq, target.rope_scaling_factor, x.dtype)
         f_hat = self.layer(x, cos, sin, mask, cache, 0)  # [B, T, H], straight to the LM head
         if cache is not None:

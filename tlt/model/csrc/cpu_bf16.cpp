@@ -14,11 +14,11 @@
 // rms_norm: out = bf16(x * rsqrt(mean(x^2) + eps) (* weight)) over the last dimension, in float32.
 //
 // rope_write: the q/k per-head norm, RoPE and the cache write of one layer's stacked q|k|v in one pass:
-// q comes back, k and v go straight into the float32 cache at each row's next slots. q and k are rounded
-// to bf16 after the norm and after the rotation (the rotation in float32), as the reference layer rounds
-// them, so the cache holds bf16 values whichever path wrote it.
+// q comes back, k and v go straight into the cache (bf16, or float32 holding bf16 values) at each row's
+// next slots. q and k are rounded to bf16 after the norm and after the rotation (the rotation in float32),
+// as the reference layer rounds them, so the cache holds the same values whichever path wrote it.
 //
-// attention: bf16 queries over float32 keys and values (the CPU cache of a bf16 model), the queries of
+// attention: bf16 queries over bf16 or float32 keys and values (the CPU cache of a bf16 model), the queries of
 // one kv head together. Each key's score takes the same arithmetic wherever it sits, and the weighted
 // sum of values and the sum of weights run in slot order, where masked keys (an additive -inf) add exact
 // zeros: a query's result depends only on the keys it sees, in their order, not on how many queries
@@ -131,6 +131,10 @@ TARGET inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
+// 16 cached keys' or values' elements (float32 or bf16 cache) as float32.
+TARGET inline __m512 load_kv(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+TARGET inline __m512 load_kv(__mmask16 m, const uint16_t* p) { return load_bf16(m, p); }
+
 // The dot products of four accumulators, summed over their 16 lanes: [sum a, sum b, sum c, sum d].
 TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128-bit lane: a, b, a, b
@@ -141,12 +145,12 @@ TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // q . k over D = 16 (C - 1) + last elements, lane-wise (C chunks of 16, the last one masked).
-template <int C>
-TARGET inline __m512 dot_acc(const float* q, const float* k, __mmask16 last) {
+template <int C, typename KV>
+TARGET inline __m512 dot_acc(const float* q, const KV* k, __mmask16 last) {
   __m512 acc = _mm512_setzero_ps();
   for (int c = 0; c < C; ++c) {
     __mmask16 dm = c == C - 1 ? last : (__mmask16)0xffff;
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(dm, q + 16 * c), _mm512_maskz_loadu_ps(dm, k + 16 * c), acc);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(dm, q + 16 * c), load_kv(dm, k + 16 * c), acc);
   }
   return acc;
 }
@@ -157,8 +161,8 @@ constexpr int64_t MAX_CHUNKS = 8;  // head dims up to 128
 // row r sees keys 0 .. visible[r] - 1 with the additive mask masks[r] (null: none) and writes out[r]
 // [D] bf16. Keys are read once for all rows (their scores four keys at a time, one reduction for four
 // dot products), values once per four rows. `scores` holds R * (S + 16) floats.
-template <int C>
-TARGET void attend_rows(const float* q, int64_t R, const float* k, int64_t ks, const float* v, int64_t vs,
+template <int C, typename KV>
+TARGET void attend_rows(const float* q, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
                         const float* const* masks, const int64_t* visible, int64_t D, float scale, float* scores,
                         uint16_t* const* out) {
   int64_t S = *std::max_element(visible, visible + R), stride = S + 16;
@@ -204,10 +208,10 @@ TARGET void attend_rows(const float* q, int64_t R, const float* k, int64_t ks, c
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (s = 0; s < S; ++s) {
-      const float* vr = v + s * vs;
+      const KV* vr = v + s * vs;
       for (int r = 0; r < 4; ++r) total[r] += p[r][s];
       for (int c = 0; c < C; ++c) {
-        __m512 vc = _mm512_maskz_loadu_ps(c == C - 1 ? last : (__mmask16)0xffff, vr + 16 * c);
+        __m512 vc = load_kv(c == C - 1 ? last : (__mmask16)0xffff, vr + 16 * c);
         for (int r = 0; r < 4; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][s]), vc, acc[r][c]);
       }
     }
@@ -218,10 +222,22 @@ TARGET void attend_rows(const float* q, int64_t R, const float* k, int64_t ks, c
   }
 }
 
-using Attend = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, const float* const*,
+// S rows of D bf16 elements (row stride `stride`) -> float32 rows of D, contiguous.
+TARGET void widen_rows(const uint16_t* src, int64_t stride, int64_t S, int64_t D, float* dst) {
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t d = 0; d < D; d += 16) {
+      __mmask16 m = tail_mask(D - d);
+      _mm512_mask_storeu_ps(dst + s * D + d, m, load_bf16(m, src + s * stride + d));
+    }
+}
+
+template <typename KV>
+using Attend = void (*)(const float*, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
                         const int64_t*, int64_t, float, float*, uint16_t* const*);
-constexpr Attend ATTEND[9] = {nullptr, attend_rows<1>, attend_rows<2>, attend_rows<3>, attend_rows<4>,
-                              attend_rows<5>, attend_rows<6>, attend_rows<7>, attend_rows<8>};
+template <typename KV>
+constexpr Attend<KV> ATTEND[9] = {nullptr, attend_rows<1, KV>, attend_rows<2, KV>, attend_rows<3, KV>,
+                                  attend_rows<4, KV>, attend_rows<5, KV>, attend_rows<6, KV>, attend_rows<7, KV>,
+                                  attend_rows<8, KV>};
 
 }  // namespace
 
@@ -311,15 +327,16 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, dou
   return out;
 }
 
-// q [B, H, T, D] bf16, keys / values [B, H_kv, S, D] float32 (rows of D contiguous, any strides
-// otherwise), mask [B, 1, T, S] float32 additive (last dim contiguous) or undefined (causal over the
+// q [B, H, T, D] bf16, keys / values [B, H_kv, S, D] bf16 or float32 (rows of D contiguous, any
+// strides otherwise), mask [B, 1, T, S] float32 additive (last dim contiguous) or undefined (causal over the
 // last T keys) -> [B, T, H * D] bf16. Query head h reads kv head h / (H / H_kv).
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kBFloat16 && q.stride(3) == 1,
               "attention: q must be [B, H, T, D] bf16 with contiguous rows");
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
               k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(),
-              "attention: keys and values must be [B, H_kv, S, D] float32 with contiguous rows");
+              "attention: keys and values must be [B, H_kv, S, D] float32 or bf16 with contiguous rows");
   int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0 && S >= T, "attention: q, keys and values disagree");
   TORCH_CHECK(D <= 16 * MAX_CHUNKS, "attention: head dim above ", 16 * MAX_CHUNKS);
@@ -336,8 +353,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   auto out = torch::empty({B, T, H * D}, q.options());
   auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  bool half = k.scalar_type() == torch::kBFloat16;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  int64_t item = k.element_size();
   int64_t group = H / Hkv;
   float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // One task: the group * T query rows of one row's kv head.
@@ -347,6 +366,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     std::vector<const float*> masks(R);
     std::vector<int64_t> visible(R);
     std::vector<uint16_t*> outs(R);
+    std::vector<float> kf, vf;  // a bf16 head's keys and values widened to float32
     for (int64_t i = i0; i < i1; ++i) {
       int64_t b = i / Hkv, j = i % Hkv;
       for (int64_t r = 0; r < R; ++r) {
@@ -360,8 +380,24 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         visible[r] = mp ? S : S - T + t + 1;
         outs[r] = op + (b * T + t) * H * D + h * D;
       }
-      ATTEND[(D + 15) / 16](qf.data(), R, kp + b * k.stride(0) + j * k.stride(1), k.stride(2), vp + b * v.stride(0) + j * v.stride(1),
-                  v.stride(2), masks.data(), visible.data(), D, scale, scores.data(), outs.data());
+      const char* kh = kp + (b * k.stride(0) + j * k.stride(1)) * item;
+      const char* vh = vp + (b * v.stride(0) + j * v.stride(1)) * item;
+      if (half && R > 4) {
+        // Many queries per kv head (a verification): each key and value would be widened once per query
+        // (values once per four); widening the head's keys and values once is cheaper.
+        kf.resize(S * D), vf.resize(S * D);
+        widen_rows(reinterpret_cast<const uint16_t*>(kh), k.stride(2), S, D, kf.data());
+        widen_rows(reinterpret_cast<const uint16_t*>(vh), v.stride(2), S, D, vf.data());
+        ATTEND<float>[(D + 15) / 16](qf.data(), R, kf.data(), D, vf.data(), D, masks.data(), visible.data(), D, scale,
+                                     scores.data(), outs.data());
+      } else if (half)
+        ATTEND<uint16_t>[(D + 15) / 16](qf.data(), R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
+                                        reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
+                                        visible.data(), D, scale, scores.data(), outs.data());
+      else
+        ATTEND<float>[(D + 15) / 16](qf.data(), R, reinterpret_cast<const float*>(kh), k.stride(2),
+                                     reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), visible.data(),
+                                     D, scale, scores.data(), outs.data());
     }
   });
   return out;
@@ -388,7 +424,7 @@ inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 // qkv [B, T, H + 2 H_kv, D] bf16 contiguous (heads: H queries, H_kv keys, H_kv values); norm [H + H_kv, D]
 // float32 or undefined (no q/k norm); cos, sin [B or 1, T, D] bf16, rows contiguous (tlt/model/rope.py's tables:
-// x * cos + roll(x, D / 2) * sin); keys, values [B, H_kv, C, D] float32 (rows of D contiguous); slots [B]
+// x * cos + roll(x, D / 2) * sin); keys, values [B, H_kv, C, D] bf16 or float32 (rows of D contiguous); slots [B]
 // int64: row b's T new tokens go to slots[b] .. slots[b] + T - 1. Returns q [B, H, T, D] bf16.
 torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tensor> norm, double eps, torch::Tensor cos,
                          torch::Tensor sin, torch::Tensor keys, torch::Tensor values, torch::Tensor slots) {
@@ -400,9 +436,11 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
               cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && (cos.size(0) == B || cos.size(0) == 1) &&
               cos.size(1) == T && cos.size(2) == D && cos.stride(2) == 1,
               "rope_write: cos and sin must be [B or 1, T, D] bf16 with contiguous rows");
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 && keys.dim() == 4 &&
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+              (keys.scalar_type() == torch::kFloat32 || keys.scalar_type() == torch::kBFloat16) && keys.dim() == 4 &&
               keys.sizes() == values.sizes() && keys.size(0) == B && keys.size(1) == Hkv && keys.size(3) == D &&
-              keys.stride(3) == 1 && values.stride(3) == 1, "rope_write: keys and values must be [B, H_kv, C, D] float32");
+              keys.stride(3) == 1 && values.stride(3) == 1,
+              "rope_write: keys and values must be [B, H_kv, C, D] float32 or bf16");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == B && slots.is_contiguous(),
               "rope_write: slots must be [B] int64");
   const float* w = nullptr;
@@ -420,9 +458,18 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
   auto cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
   auto sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
   auto qp = reinterpret_cast<uint16_t*>(q.data_ptr());
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
-  int64_t heads = H + 2 * Hkv, half = D / 2;
+  bool half = keys.scalar_type() == torch::kBFloat16;
+  char* kp = static_cast<char*>(keys.data_ptr());
+  char* vp = static_cast<char*>(values.data_ptr());
+  int64_t item = keys.element_size();
+  // element d of a cached head (bf16 or float32) gets the bf16 value v
+  auto put = [half](char* row, int64_t d, float v) {
+    if (half)
+      reinterpret_cast<uint16_t*>(row)[d] = float_to_bf16(v);
+    else
+      reinterpret_cast<float*>(row)[d] = round_bf16(v);
+  };
+  int64_t heads = H + 2 * Hkv, rot = D / 2;
   at::parallel_for(0, B * T, 16, [&](int64_t i0, int64_t i1) {
     float x[256];
     for (int64_t i = i0; i < i1; ++i) {
@@ -434,8 +481,8 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
       for (int64_t h = 0; h < heads; ++h) {
         const uint16_t* head = row + h * D;
         if (h >= H + Hkv) {  // a value head: copied as it is
-          float* dst = vp + b * values.stride(0) + (h - H - Hkv) * values.stride(1) + (slot[b] + t) * values.stride(2);
-          for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_float(head[d]);
+          char* dst = vp + (b * values.stride(0) + (h - H - Hkv) * values.stride(1) + (slot[b] + t) * values.stride(2)) * item;
+          for (int64_t d = 0; d < D; ++d) put(dst, d, bf16_to_float(head[d]));
           continue;
         }
         for (int64_t d = 0; d < D; ++d) x[d] = bf16_to_float(head[d]);
@@ -448,11 +495,11 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
         if (h < H) {
           uint16_t* dst = qp + ((b * H + h) * T + t) * D;
           for (int64_t d = 0; d < D; ++d)
-            dst[d] = float_to_bf16(x[d] * bf16_to_float(c[d]) + x[(d + half) % D] * bf16_to_float(sn[d]));
+            dst[d] = float_to_bf16(x[d] * bf16_to_float(c[d]) + x[(d + rot) % D] * bf16_to_float(sn[d]));
         } else {
-          float* dst = kp + b * keys.stride(0) + (h - H) * keys.stride(1) + (slot[b] + t) * keys.stride(2);
+          char* dst = kp + (b * keys.stride(0) + (h - H) * keys.stride(1) + (slot[b] + t) * keys.stride(2)) * item;
           for (int64_t d = 0; d < D; ++d)
-            dst[d] = round_bf16(x[d] * bf16_to_float(c[d]) + x[(d + half) % D] * bf16_to_float(sn[d]));
+            put(dst, d, x[d] * bf16_to_float(c[d]) + x[(d + rot) % D] * bf16_to_float(sn[d]));
         }
       }
     }
