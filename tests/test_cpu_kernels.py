@@ -209,10 +209,11 @@ def test_silu_mul_equals_torch_bit_for_bit():
 @needs_kernels
 @pytest.mark.parametrize("input_norm", [True, False])
 @pytest.mark.parametrize("masked", [True, False])
-def test_layer_step_equals_its_operators_one_by_one(input_norm, masked):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_layer_step_equals_its_operators_one_by_one(input_norm, masked, cache_dtype):
     """The whole layer in one call gives the bits of the kernels called one at a time (norm, q|k|v, q/k
     norm with RoPE and the cache write, attention, o + residual, norm, gate|up, silu * up, down +
-    residual), on rows of unequal length, and writes the same cache."""
+    residual: `layer_step_ops`), on rows of unequal length, and writes the same cache."""
     from tlt.model.kv_cache import KVCache
     from tlt.model.rope import rope_tables
 
@@ -228,7 +229,7 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, masked):
                            torch.bfloat16)
     caches = []
     for _ in range(2):
-        cache = KVCache(1, B, Hkv, D, dtype=torch.float32)
+        cache = KVCache(1, B, Hkv, D, dtype=cache_dtype)
         cache.reserve(8)
         cache.store.normal_(generator=torch.Generator().manual_seed(48))
         cache.lengths = lengths.clone()
@@ -244,16 +245,9 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, masked):
                              caches[0].lengths, S, mask)
 
     keys1, values1, _ = caches[1].buffers(0, T)
-    x2 = x.view(B * T, hidden)
-    normed = kernels.rms_norm(x2[None], None, eps)[0] if input_norm else x2
-    qkv = kernels.linear(normed, packs[0], sizes[0], biases[0], None).view(B, T, H + 2 * Hkv, D)
-    q = kernels.rope_write(qkv, H, qk_norm, 1e-5, cos.reshape(B, T, D), sin.reshape(B, T, D), keys1, values1,
-                           caches[1].lengths)
-    attended = kernels.attention(q, keys1[:, :, :S], values1[:, :, :S], mask).view(B * T, H * D)
-    h = kernels.linear(attended, packs[1], sizes[1], None, x2)
-    gate_up = kernels.linear(kernels.rms_norm(h[None], None, 1e-6)[0], packs[2], sizes[2], None, None)
-    expected = kernels.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], packs[3], sizes[3], None, h)
-    assert torch.equal(out, expected.view(B, T, hidden))
+    expected = cpu_kernels.layer_step_ops(kernels, x, eps, packs, sizes, biases, H, qk_norm, 1e-5, 1e-6, cos, sin,
+                                          keys1, values1, caches[1].lengths, S, mask)
+    assert torch.equal(out, expected)
     assert torch.equal(caches[0].store, caches[1].store)
 
 

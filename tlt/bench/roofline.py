@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from tlt.bench import rotation
@@ -192,7 +193,8 @@ def measure(model, hf, prompt_len: int, repeats: int) -> list[dict[str, Any]]:
 
 def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
     """Shares of a batch-1 one-token forward's wall time spent in products (every `PackedLinear` call,
-    whichever kernel runs it) and in attention, timed around each call."""
+    whichever kernel runs it) and in attention, timed around each call. On tlt's kernels each layer's
+    step runs its kernels one at a time (`cpu_kernels.layer_step_ops`, the same bits) so they can be timed."""
     import torch
 
     from tlt.model import cpu_kernels, fused
@@ -213,10 +215,16 @@ def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
     if kernels is not None:
         patches.append((kernels, "attention", "attention"))
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    if kernels is not None:
+        originals.append((kernels, "layer_step", kernels.layer_step))
+        ops = SimpleNamespace(linear=timed(kernels.linear, "products"), attention=timed(kernels.attention, "attention"),
+                              rms_norm=kernels.rms_norm, rope_write=kernels.rope_write, silu_mul=kernels.silu_mul)
     system = TltSystem("tlt", model, prompt_len, model.config.vocab_size)
     try:
         for owner, name, part in patches:
             setattr(owner, name, timed(getattr(owner, name), part))
+        if kernels is not None:
+            kernels.layer_step = lambda *args: cpu_kernels.layer_step_ops(ops, *args)
         with torch.inference_mode():
             system.prefill(1, torch.randint(model.config.vocab_size, (1, prompt_len)))
             run = system.forward(1, torch.randint(model.config.vocab_size, (1, 1)))

@@ -90,3 +90,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     groups = -(-N // GROUP)
     padded = F.pad(weight.detach(), (0, 0, 0, groups * GROUP - N))
     return padded.view(groups, GROUP, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def layer_step_ops(module, x, input_eps, weights, sizes, biases, H, qk_norm, qk_eps, post_eps, cos, sin, keys,
+                   values, slots, S, mask):
+    """The compiled `layer_step` as its kernels called one at a time from Python (the same bits): what
+    `tlt bench roofline` times call by call to split a step into products and attention."""
+    B, T, hidden = x.shape
+    D = keys.shape[3]
+    x2 = x.view(B * T, hidden)
+    normed = x2 if input_eps < 0 else module.rms_norm(x2[None], None, input_eps)[0]
+    qkv = module.linear(normed, weights[0], sizes[0], biases[0], None).view(B, T, sizes[0] // D, D)
+    if cos.dim() == 4:
+        cos, sin = cos[:, :, 0], sin[:, :, 0]
+    q = module.rope_write(qkv, H, qk_norm, qk_eps, cos, sin, keys, values, slots)
+    attended = module.attention(q, keys[:, :, :S], values[:, :, :S], mask).view(B * T, -1)
+    h = module.linear(attended, weights[1], sizes[1], biases[1], x2)
+    gate_up = module.linear(module.rms_norm(h[None], None, post_eps)[0], weights[2], sizes[2], biases[2], None)
+    return module.linear(module.silu_mul(gate_up), weights[3], sizes[3], biases[3], h).view(B, T, hidden)
