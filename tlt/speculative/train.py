@@ -239,7 +239,7 @@ def held_out_acceptance(drafter, tokenizer, prompts, samples_per_prompt: int, te
     check_target_only(strategy, "held-out acceptance")
     engine = RolloutEngine(drafter.target, tokenizer, EngineConfig.named(strategy, drafter, progress=False))
     outs = engine.generate(prompts, generation_params(len(prompts), samples_per_prompt, temperature, max_tokens, seed))
-    return engine.stats()["acceptance_length"], [list(c.token_ids) for o in outs for c in o.outputs]
+    return engine.rollout_stats.acceptance_length(), [list(c.token_ids) for o in outs for c in o.outputs]
 
 
 # --- command line ----------------------------------------------------------------------------------

@@ -100,12 +100,19 @@ class Schedule:
 
 
 @dataclass
-class PhaseResult:
+class PhaseReport:
+    """What one spot phase did: its optimizer steps and seconds, why it stopped, the mean of each loss
+    term (speculative.train.unrolled_loss) over its steps; on a pool also the worker it ran on, the
+    drafter offers it made to the tail, and whether it was lost with its worker."""
+
     steps: int = 0
     seconds: float = 0.0
     stop_latency_s: float | None = None  # from the stop request to the loop's exit
     stopped: str = "stop"  # stop, max_steps
-    metrics: dict = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    worker: int | None = None
+    offers: int = 0
+    lost: bool = False
 
 
 class Preempted(Exception):
@@ -122,7 +129,7 @@ class SpotTrainer:
 
     def train(self, batches: Iterator[PackedBatch], should_stop: Callable[[], bool],
               stop_requested_at: Callable[[], float | None] | None = None,
-              after_step: Callable[[int], None] | None = None) -> PhaseResult:
+              after_step: Callable[[int], None] | None = None) -> PhaseReport:
         """Optimizer steps until `should_stop()` (checked before each) or `max_steps`. `stop_requested_at`
         returns the perf_counter time of the stop request, to measure the preemption latency;
         `after_step(steps taken in this phase)` runs after each optimizer step."""
@@ -141,7 +148,7 @@ class SpotTrainer:
 
         hooks = [p.register_hook(on_grad) for p in self.drafter.parameters() if p.requires_grad]
         self.drafter.train()
-        result, sums = PhaseResult(), {}
+        result, sums = PhaseReport(), {}
         start = time.perf_counter()
         try:
             while True:
@@ -179,7 +186,7 @@ class SpotTrainer:
         requested = stop_requested_at() if stop_requested_at is not None else None
         if result.stopped == "stop" and requested is not None:
             result.stop_latency_s = max(end - requested, 0.0)
-        result.metrics = {k: v / result.steps for k, v in sums.items()} if result.steps else {}
+        result.losses = {k: v / result.steps for k, v in sums.items()} if result.steps else {}
         if result.steps:
             self.version += 1
         return result
@@ -204,7 +211,7 @@ class SpotTrainer:
 
 def run_phase(drafter, state: dict | None, records: list, weights: list[float], config: SpotConfig, seed: int,
               should_stop: Callable[[], bool] = lambda: False, stop_requested_at=None,
-              after_step=None) -> tuple[dict, dict]:
+              after_step=None) -> tuple[dict, PhaseReport]:
     """One spot phase on `drafter` (trained in place) from the trainer state `state` (None: fresh), over
     `records` drawn by `weights`; returns (new trainer state, phase report). Where the phase runs, in
     the driver or on a Ray worker, is the caller's business."""
@@ -231,9 +238,7 @@ def run_phase(drafter, state: dict | None, records: list, weights: list[float], 
     batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
     result = trainer.train(batches, should_stop, stop_requested_at, hook if after_step is not None else None)
     publish()
-    report = {"steps": result.steps, "seconds": result.seconds, "stop_latency_s": result.stop_latency_s,
-              "stopped": result.stopped, **{f"loss_{k}": v for k, v in result.metrics.items()}}
-    return trainer.state_dict(), report
+    return trainer.state_dict(), result
 
 
 class TargetHead(OnLMHead, torch.nn.Module):
