@@ -18,7 +18,6 @@ from tlt.errors import CheckpointError, ConfigError, TrainingError
 from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
 from tlt.speculative.data import DraftRecord, collect
 from tlt.speculative.drafter import Drafter
-from tlt.speculative.strategy import Strategy
 from tlt.spot.buffer import Entry, OnlineBuffer, favour_long, keep_recent, sampled_batches
 from tlt.spot.coordinator import Coordinator, WorkerState
 from tlt.spot.config import SpotConfig
@@ -442,7 +441,7 @@ def test_drafter_swapped_mid_rollout_changes_no_output(target):
     other = Drafter.from_target(target, seed=9).trainable_state()
     swaps = []
 
-    drafter_arms = [a for a in engine.tuner.config.arms if Strategy.parse(a).uses_drafter]
+    drafter_arms = [a for a in engine.tuner.arms if a.uses_drafter]
 
     def swap(e):
         if e._stats.steps == 8:
