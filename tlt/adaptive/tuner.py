@@ -17,12 +17,11 @@ Inside a bucket, `choose` is epsilon-greedy:
    epsilon-greedy). Without step times (`update` called without `seconds`) the reward ratio
    score(arm) / score(greedy) stands in: the two agree when every arm emits the same tokens per step.
 3. Otherwise the arm with the best score, ties going to the arm listed first.
-Why "cost": an exploration step can cost many plain steps, and at large batch the spread is wide: a
-tree verification of 128 rows (plus the drafter's catch-up over every pair the plain steps queued)
-took as long as 10-15 plain steps on the default model, so uniform exploration at epsilon = 0.1 made
-the adaptive engine 0.6x as fast as plain decoding at a constant batch of 128. Weighting each draw by
-the step-time ratio caps what a draw costs at about one greedy step's time, however slow the arm,
-while arms about as fast as the greedy one, the only ones that can overtake it, run at the full rate.
+Why "cost": at large batch one step of a slow arm (a tree verification of 128 rows, plus the drafter's
+catch-up over the pairs the plain steps queued) costs many plain steps, so uniform exploration there
+can cost more than speculation saves. Weighting each draw by the step-time ratio caps what a draw
+costs at about one greedy step's time, however slow the arm, while arms about as fast as the greedy
+one, the only ones that can overtake it, run at the full rate.
 Only arms not pruned from the bucket and accepted by the caller's `allowed` predicate compete: the
 engine uses it for a memory guard (draft tokens x batch) and to drop drafter arms when no drafter is
 loaded.
@@ -82,16 +81,13 @@ from tlt.speculative.strategy import Strategy
 # sampling's own, so an adaptive rollout returns the very samples plain decoding would (token for token
 # given equal logits), not merely samples of the same distribution: a tlt RL run is the baseline run,
 # faster. Chains with speculative sampling ("chain-d4") keep the distribution but draw other samples;
-# they stay available as arms. The shapes were measured with the default model and drafter on this
-# 2-core CPU at temperature 1.0 (`tlt bench speculative --threads 2 --strategies off,chain-d4,
-# tree-d4-k1-v4,tree-d4-k2-v8,...`): the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4 (2.92
-# vs 2.74-2.95 tokens per step) and costs less (1.38x vs 1.17x over off at batch 16); tree-d4-k4-v16
-# was the fastest at batch 1 (1.44-1.57x), tree-d4-k2-v8 / tree-d4-k3-v10 at batch 4-16 (1.39-1.56x);
-# tree-d6-k4-v24 accepted more but lost to tree-d4-k4-v16 at every batch size; off wins at 64 and
-# beyond. n-gram drafting stays for cold start and for the loops a sampled policy falls into.
+# they stay available as arms. The trees cover the batch sizes where drafting pays, widest at batch 1
+# (tree-d4-k4-v16), narrower up to batch 16; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4
+# at less cost; off wins at large batch (`tlt bench speculative --strategies ...` compares shapes).
+# n-gram drafting stays for cold start and for the loops a sampled policy falls into.
 DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d4-k4-v16")
 
-STATE_VERSION = 2  # 2 added step times; version-1 states load with none
+STATE_VERSION = 2  # version-1 states hold no step times and load with none
 EXPLORE = ("cost", "uniform")
 STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 

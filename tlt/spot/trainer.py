@@ -5,9 +5,8 @@ until `should_stop()` turns true. It is checked before every step and inside the
 between training-time-test rounds and as each trainable parameter's gradient arrives in the backward
 pass. A step stopped inside is dropped (gradients cleared, no update), so the weights are always those
 of a whole number of steps, and a stop is honoured within one round's forward or one parameter's share
-of the backward however long a step is (three rounds over 2048 pairs take about 0.5 s on one thread on
-the default model, more beside a busy rollout worker, and a phase that ran on would overlap the policy
-update). `max_steps` caps a phase on top. The state that moves between workers (`state_dict`) is the
+of the backward however long a step is (a step of several rounds beside a busy rollout worker is long,
+and a phase that ran on would overlap the policy update). `max_steps` caps a phase on top. The state that moves between workers (`state_dict`) is the
 drafter's trainable weights, the optimizer state and the counters: the target's embedding and head are
 never part of it.
 
@@ -18,10 +17,9 @@ best level seen (the policy moved away from the drafter), or when it beat the pr
 than 2% (the last phase helped, so the drafter has not converged: a cold-started drafter keeps
 training until it plateaus). A converged drafter under a slowly moving policy trains only when its
 acceptance drops. The level is the median of the last 3 rollouts' acceptance lengths, and the best
-level fades by 1% per rollout unless renewed: one rollout's figure swings by +-15% with which arms the
-tuner ran and on which samples (measured on the default workload), so single rollouts against the
-all-time best (an extreme of that noise, creeping upward) made 16 of 20 steps of a run train, and 87%
-of the steps of a simulated flat series with 8% noise (22% with the level and the fading best). The
+level fades by 1% per rollout unless renewed: one rollout's figure swings with which arms the tuner ran
+and on which samples, and single rollouts judged against the all-time best (an extreme of that noise,
+creeping upward) would look like a drop at most steps of a converged run and train at all of them. The
 first phase waits until the buffer holds `min_pairs` pairs.
 
 Checkpoints (`DrafterCheckpointer`): a snapshot of the state is taken at once (a copy of a few MB) and
@@ -93,7 +91,7 @@ class Schedule:
         return {"best": self.best, "recent": list(self.recent), "improving": self.improving}
 
     def load_state_dict(self, state: dict) -> None:
-        """Also a state saved before levels were medians: its single "last" measurement starts `recent`."""
+        """A state with a single "last" measurement and no "recent" list starts `recent` with it."""
         self.best, self.improving = state.get("best"), state.get("improving", True)
         old = [] if state.get("last") is None else [state["last"]]
         self.recent = [float(a) for a in state.get("recent", old)]
