@@ -32,6 +32,7 @@ import torch
 from tlt.data import Example
 from tlt.device import resolve_device
 from tlt.errors import CheckpointError, ConfigError, TrainingError
+from tlt.rl.checkpoint import TrainerState
 from tlt.rl.config import TrainConfig
 from tlt.rl.distributed import Replicas
 from tlt.rl.episode import Episode, MicroBatch
@@ -414,13 +415,13 @@ class GRPOTrainer:
         }
 
     # --- checkpoints -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state(self) -> TrainerState:
+        """The trainer's own state for a checkpoint."""
         learning = self.rollout_backend.learning
-        return {"step": self.step, "data_position": self.step * self.config.prompts_per_step,
-                "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(),
-                "drafter_schedule": learning.schedule.state_dict() if learning is not None else None,
-                "history": self.history.state_dict() if self.history is not None else None}
+        return TrainerState(self.step, self.step * self.config.prompts_per_step, self.optimizer.state_dict(),
+                            torch.get_rng_state(), random.getstate(),
+                            learning.schedule.state_dict() if learning is not None else None,
+                            self.history.state_dict() if self.history is not None else None)
 
     def restore(self, saved) -> None:
         """Continue from a checkpoint read by `tlt.rl.checkpoint.read_checkpoint`. What can still fail
@@ -440,31 +441,30 @@ class GRPOTrainer:
                 self.log(f"{saved.buffer}: the run is resumed without drafter training; its online buffer is not loaded")
             else:
                 learning.buffer.load(saved.buffer)
-        if saved.tuner is not None:
-            tuner = saved.tuner if "tuners" in saved.tuner else {"tuners": [saved.tuner]}
+        if saved.tuners is not None:
             try:
-                self.rollout_backend.load_state(tuner)
+                self.rollout_backend.load_tuner_states(saved.tuners)
             except (KeyError, TypeError, ValueError, IndexError) as exc:
                 raise CheckpointError(f"{saved.folder / 'tuner.json'}: not a tuner state ({type(exc).__name__}: "
                                       f"{exc})") from None
         self.policy.load_state_dict(saved.policy, strict=False)
         state = saved.state
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state.optimizer)
         if self.replicas is not None:  # rank 0's state is the one saved; the helpers take it
             self.replicas.sync(self.policy, self.optimizer)
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        if learning is not None and state.get("drafter_schedule") is not None:
-            learning.schedule.load_state_dict(state["drafter_schedule"])
-        if self.history is not None and state.get("history") is not None:
-            self.history.load_state_dict(state["history"])
+        torch.set_rng_state(state.torch_rng)
+        random.setstate(state.python_rng)
+        if learning is not None and state.drafter_schedule is not None:
+            learning.schedule.load_state_dict(state.drafter_schedule)
+        if self.history is not None and state.history is not None:
+            self.history.load_state_dict(state.history)
         if saved.drafter is not None:
             if learning is None:
                 self.log(f"{saved.folder / 'drafter'}: the run is resumed without drafter training; "
                          "its trained drafter is not loaded")
             else:
                 self.rollout_backend.restore_drafter(saved.drafter)
-        self.step = int(state["step"])
+        self.step = state.step
         self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
 
     def drafter_snapshot(self):
@@ -477,9 +477,9 @@ class GRPOTrainer:
         learning = self.rollout_backend.learning
         return learning.buffer if learning is not None and self.config.drafter.buffer_checkpoint else None
 
-    def rollout_state(self) -> dict:
-        """The rollout side's state for a checkpoint: every worker's tuner."""
-        return self.rollout_backend.state()
+    def tuner_states(self) -> list[dict | None]:
+        """The rollout side's state for a checkpoint: every worker's tuner state (None: it has none)."""
+        return self.rollout_backend.tuner_states()
 
     def close(self) -> None:
         self.reward.close()

@@ -168,11 +168,11 @@ class RolloutBackend(Protocol):
         drafter the engines' (in-process at once, on a pool at the next rollout)."""
         ...
 
-    def state(self) -> dict:
-        """The rollout side's checkpoint state: {"tuners": one tuner state (or None) per worker}."""
+    def tuner_states(self) -> list[dict | None]:
+        """The rollout side's checkpoint state: one tuner state (or None) per worker."""
         ...
 
-    def load_state(self, state: dict) -> None:
+    def load_tuner_states(self, states: list[dict | None]) -> None:
         ...
 
     def close(self) -> None:
@@ -227,13 +227,12 @@ class LocalRollout:
             self.engine.load_drafter(learning.state["drafter"], learning.version)
         return report
 
-    def state(self) -> dict:
-        return {"tuners": [self.engine.tuner.state_dict() if self.engine.tuner is not None else None]}
+    def tuner_states(self) -> list[dict | None]:
+        return [self.engine.tuner.state_dict() if self.engine.tuner is not None else None]
 
-    def load_state(self, state: dict) -> None:
-        tuners = state.get("tuners") or [None]
-        if tuners[0] is not None and self.engine.tuner is not None:
-            self.engine.tuner.load_state_dict(tuners[0])
+    def load_tuner_states(self, states: list[dict | None]) -> None:
+        if states and states[0] is not None and self.engine.tuner is not None:
+            self.engine.tuner.load_state_dict(states[0])
 
     def close(self) -> None:
         if self.learning is not None:
@@ -354,11 +353,10 @@ class PooledRollout:
             self._drafter_version = self.learning.version
         return report
 
-    def state(self) -> dict:
-        return {"tuners": self.pool.collect_tuners()}
+    def tuner_states(self) -> list[dict | None]:
+        return self.pool.collect_tuners()
 
-    def load_state(self, state: dict) -> None:
-        tuners = state.get("tuners")
+    def load_tuner_states(self, tuners: list[dict | None]) -> None:
         if tuners and len(tuners) == self.workers:
             self.pool.load_tuners(tuners)
         elif tuners:
