@@ -21,8 +21,10 @@ from tlt.speculative.drafter import Drafter
 from tlt.spot.buffer import Entry, OnlineBuffer, favour_long, keep_recent, sampled_batches
 from tlt.spot.coordinator import Coordinator, WorkerState
 from tlt.spot.config import SpotConfig
-from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotTrainer, _snapshot, latest_drafter_checkpoint,
-                              load_checkpoint, write_checkpoint)
+from tlt.spot.checkpoint import (DrafterCheckpointer, _snapshot, latest_drafter_checkpoint, load_checkpoint,
+                                 write_checkpoint)
+from tlt.spot.schedule import Schedule
+from tlt.spot.trainer import SpotTrainer
 from tlt.rollout.stats import RolloutStats
 from tlt.spot.rollout import drafter_acceptance
 from tlt.spot.workers import LengthPredictor, ShareStats, assign
@@ -347,7 +349,8 @@ KILL_SCRIPT = textwrap.dedent("""
     from tlt.model import ModelConfig, Transformer
     from tlt.speculative.drafter import Drafter
     from tlt.spot.config import SpotConfig
-    from tlt.spot.trainer import DrafterCheckpointer, SpotTrainer
+    from tlt.spot.checkpoint import DrafterCheckpointer
+    from tlt.spot.trainer import SpotTrainer
     torch.manual_seed(0)
     target = Transformer(ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=61, hidden_size=256,
         intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -382,7 +385,7 @@ def test_a_kill_during_save_never_leaves_a_torn_checkpoint(tmp_path, target):
         folder = latest_drafter_checkpoint(root)
         if folder is None:
             continue
-        from tlt.spot.trainer import read_state
+        from tlt.spot.checkpoint import read_state
 
         state = read_state(folder)
         values = {float(v.flatten()[0]) for v in state["drafter"].values()}

@@ -62,7 +62,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: TrainerS
                     online_buffer=None) -> Path:
     """Checkpoint `step` of the run in `run_dir` (the layout of the module docstring): the policy and its
     tokenizer, the trainer's `state`, the rollout workers' `tuners` states, the drafter trainer's state
-    (`drafter`, a spot.trainer.StateSnapshot) and the online buffer; the `keep` newest stay."""
+    (`drafter`, a spot.checkpoint.StateSnapshot) and the online buffer; the `keep` newest stay."""
     root = run_dir / "checkpoints"
     final = checkpoint_dir(run_dir, step)
     with atomic_folder(final) as tmp:
@@ -140,7 +140,7 @@ class SavedCheckpoint:
 def read_checkpoint(folder: Path) -> SavedCheckpoint:
     """Every file of checkpoint `folder`, read and checked; CheckpointError names the first bad one."""
     from tlt.model.checkpoint import read_tensors
-    from tlt.spot.trainer import read_state
+    from tlt.spot.checkpoint import read_state
 
     state = load_state(folder)
     policy = read_tensors(folder / "policy")

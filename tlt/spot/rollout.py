@@ -26,7 +26,9 @@ from tlt.rollout.stats import RolloutStats
 from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
 from tlt.spot.coordinator import Coordinator, WorkerTimes
 from tlt.spot.config import SpotConfig
-from tlt.spot.trainer import DrafterCheckpointer, PhaseReport, Schedule, run_phase
+from tlt.spot.checkpoint import DrafterCheckpointer
+from tlt.spot.schedule import Schedule
+from tlt.spot.trainer import PhaseReport, run_phase
 from tlt.spot.workers import LengthPredictor, ShareStats, assign
 
 if TYPE_CHECKING:
@@ -132,7 +134,7 @@ class DrafterLearning:
 
     def snapshot(self, step: int):
         """The newest trainer state as something a run checkpoint can save (None: no phase stepped yet)."""
-        from tlt.spot.trainer import StateSnapshot
+        from tlt.spot.checkpoint import StateSnapshot
 
         return StateSnapshot(self.state, self.drafter_config, {"rl_step": step}) if self.state is not None else None
 
