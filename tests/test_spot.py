@@ -27,7 +27,8 @@ from tlt.spot.schedule import Schedule
 from tlt.spot.trainer import SpotTrainer
 from tlt.rollout.stats import RolloutStats
 from tlt.spot.rollout import drafter_acceptance
-from tlt.spot.workers import LengthPredictor, ShareStats, assign
+from tlt.spot.shares import LengthPredictor, assign
+from tlt.spot.workers import ShareStats
 
 
 def record(n: int, H: int = 4, fill: float = 0.0) -> DraftRecord:

@@ -29,7 +29,8 @@ from tlt.spot.config import SpotConfig
 from tlt.spot.checkpoint import DrafterCheckpointer
 from tlt.spot.schedule import Schedule
 from tlt.spot.trainer import PhaseReport, run_phase
-from tlt.spot.workers import LengthPredictor, ShareStats, assign
+from tlt.spot.shares import LengthPredictor, assign
+from tlt.spot.workers import ShareStats
 
 if TYPE_CHECKING:
     from tlt.rl.config import TrainConfig
