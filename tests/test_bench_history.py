@@ -5,13 +5,14 @@ import json
 import pytest
 
 from tlt.bench.history import counts, epoch_of
+from tlt.rollout.stats import RolloutStats
 
 from rl_fixtures import save_tiny_policy
 
 
 def test_epochs_and_counts():
     assert [epoch_of(s, 8, 64) for s in (0, 7, 8, 31)] == [1, 1, 2, 4]
-    stats = {"step_tokens": [3, 8, 2], "batch_sizes": [2, 4, 1], "strategies": ["off", "suffix-d8-v16", "ngram-d4"]}
+    stats = RolloutStats(step_tokens=[3, 8, 2], batch_sizes=[2, 4, 1], strategies=["off", "suffix-d8-v16", "ngram-d4"])
     assert counts(stats) == (10, 5)
 
 

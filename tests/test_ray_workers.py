@@ -2,6 +2,7 @@
 spot training on a released worker, and a GRPO run (with resume) on the pool."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tlt.rl.config import OptimConfig, TrainConfig  # noqa: E402
 from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from tlt.spot.config import SpotConfig  # noqa: E402
 from tlt.spot.rollout import DrafterLearning, PooledRollout  # noqa: E402
-from tlt.spot.workers import RayPool, WorkerSpec, start_ray  # noqa: E402
+from tlt.spot.workers import RayPool, RolloutWorker, WorkerSpec, start_ray  # noqa: E402
 
 from rl_fixtures import save_tiny_policy  # noqa: E402
 
@@ -33,27 +34,36 @@ def params(long_first: bool = False):
                            seed=100 + i) for i in range(len(PROMPTS))]
 
 
-def pool_of(model_dir, n=2, **spec_fields):
+def pool_of(model_dir, n=2, pool=RayPool, **spec_fields):
     from tlt.model import load_model
 
-    specs = [WorkerSpec(str(model_dir), seed=0, **{k: (v[w] if k == "step_hook" else v) for k, v in spec_fields.items()})
-             for w in range(n)]
-    pool = RayPool(specs, log=lambda *_: None)
+    specs = [WorkerSpec(str(model_dir), seed=0, **spec_fields) for _ in range(n)]
+    pool = pool(specs, log=lambda *_: None)
     pool.load_weights(load_model(model_dir).state_dict(), 0)
     return pool
 
 
-def crash(rollout: int, after_steps: int):
-    """A worker step hook: the worker's first incarnation exits abruptly `after_steps` engine steps into
-    its `rollout`-th rollout (0-based), as a crashed or preempted machine would. Made inside a function
-    so that Ray ships it by value: the workers cannot import the tests."""
-    import os
+def crashing_pool(marker: str, prompt: list[int], after_steps: int) -> type[RayPool]:
+    """A pool whose workers exit abruptly, as a crashed or preempted machine would, `after_steps` engine
+    steps into generating a share that holds `prompt`, once: the first to crash leaves the file `marker`,
+    which keeps its replacement (and every later share) alive. Made inside a function so that Ray ships
+    the worker class by value: the workers cannot import the tests."""
 
-    def hook(worker, engine) -> None:
-        if worker.spec.incarnation == 0 and worker.rollouts == rollout + 1 and engine.stats()["steps"] >= after_steps:
-            os._exit(17)
+    class CrashingWorker(RolloutWorker):
+        def generate(self, prompts, *args, **kwargs):
+            self.crash = prompt in prompts and not os.path.exists(marker)
+            return super().generate(prompts, *args, **kwargs)
 
-    return hook
+        def _between_steps(self, engine) -> None:
+            if self.crash and engine.rollout_stats.steps >= after_steps:
+                open(marker, "w").close()
+                os._exit(17)
+            super()._between_steps(engine)
+
+    class CrashingPool(RayPool):
+        worker = CrashingWorker
+
+    return CrashingPool
 
 
 def flat(outputs):
@@ -68,13 +78,13 @@ def test_pool_returns_what_the_in_process_engine_returns(model_dir):
     expected = engine.generate(PROMPTS, params())
     rollout = PooledRollout(pool_of(model_dir), None, log=lambda *_: None)
     try:
-        outputs, stats = rollout.generate(PROMPTS, params(), 0, 0)
+        outputs, report = rollout.generate(PROMPTS, params(), 0, 0)
         assert flat(outputs) == flat(expected)
         for a, b in zip(outputs, expected):
             for x, y in zip(a.outputs, b.outputs):
                 assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
-        assert sorted(stats["workers"]["shares"]) == [2, 3]
-        assert stats["decode_tokens"] == sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        assert sorted(report.pool.shares) == [2, 3]
+        assert report.stats.decode_tokens == sum(len(c.token_ids) for o in outputs for c in o.outputs)
     finally:
         rollout.close()
 
@@ -98,19 +108,20 @@ def test_bf16_workers_get_the_policy_in_bf16_and_sample_what_a_bf16_engine_does(
         rollout.close()
 
 
-def test_a_worker_killed_mid_rollout_is_restarted_without_losing_or_duplicating_samples(model_dir):
+def test_a_worker_killed_mid_rollout_is_restarted_without_losing_or_duplicating_samples(model_dir, tmp_path):
     clean = PooledRollout(pool_of(model_dir), None, log=lambda *_: None)
     try:
         expected, _ = clean.generate(PROMPTS, params(), 0, 0)
     finally:
         clean.close()
     lines = []
-    rollout = PooledRollout(pool_of(model_dir, step_hook=[crash(rollout=0, after_steps=3), None]), None, log=lines.append)
+    pool = crashing_pool(str(tmp_path / "crashed"), PROMPTS[0], after_steps=3)  # worker 0's share holds PROMPTS[0]
+    rollout = PooledRollout(pool_of(model_dir, pool=pool), None, log=lines.append)
     try:
-        outputs, stats = rollout.generate(PROMPTS, params(), 0, 0)
+        outputs, report = rollout.generate(PROMPTS, params(), 0, 0)
         assert flat(outputs) == flat(expected)  # each sample once, exactly as without the crash
         assert len(flat(outputs)) == len(set(flat(outputs))) == 3 * len(PROMPTS)
-        assert stats["workers"]["restarts"] == [1, 0] and rollout.pool.restarts == 1
+        assert report.pool.times.restarts == [1, 0] and rollout.pool.restarts == 1
         assert any("worker 0 died" in line for line in lines)
         again, _ = rollout.generate(PROMPTS, params(), 0, 1)  # the replacement keeps working
         assert flat(again) == flat(expected)
@@ -133,23 +144,23 @@ def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir, 
         Drafter.from_target(target, feature_layers=layers, seed=0).save(tmp_path / "eagle3")
         drafter = str(tmp_path / "eagle3")
     learning = DrafterLearning(config, DrafterConfig.for_target(target, layers), None, log=lambda *_: None)
-    pool = pool_of(model_dir, engine={"speculative": "adaptive"}, drafter=drafter)
+    pool = pool_of(model_dir, engine=EngineConfig(speculative="adaptive", drafter=drafter))
     rollout = PooledRollout(pool, learning, log=lambda *_: None, swap_every=1)
     try:
         _, first = rollout.generate(PROMPTS, params(long_first=True), 0, 0)
-        assert rollout.finish_step(0) == {}  # the buffer was empty when the first rollout started
+        assert rollout.finish_step(0) is None  # the buffer was empty when the first rollout started
         assert learning.buffer.pairs > 0
         _, second = rollout.generate(PROMPTS, params(long_first=True), 0, 1)
-        assert second["workers"]["training_due"]
+        assert second.pool.training_due
         report = rollout.finish_step(1)
-        trainer = report["worker"]
-        assert second["workers"]["training_s"][trainer] > 0
-        assert report["steps"] >= 1 and learning.version == 1, report
+        trainer = report.worker
+        assert second.pool.times.training_s[trainer] > 0
+        assert report.steps >= 1 and learning.version == 1, report
         # the tail worker took the trainer's drafter mid-rollout (hot swap)
-        assert report["offers"] >= 1 and second["workers"]["drafter_swaps"] >= 1, (report, second["workers"])
-        assert report["stop_latency_s"] is not None and report["stop_latency_s"] < 5.0
+        assert report.offers >= 1 and second.pool.drafter_swaps >= 1, (report, second.pool)
+        assert report.stop_latency_s is not None and report.stop_latency_s < 5.0
         _, third = rollout.generate(PROMPTS, params(long_first=True), 0, 2)
-        assert third["workers"]["drafter_version"] == 1
+        assert third.pool.drafter_version == 1
         rollout.finish_step(2)  # pushes the newest drafter to every worker
         states = ray.get([a.tuner_state.remote() for a in pool.actors])
         assert all(s is not None for s in states)

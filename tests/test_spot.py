@@ -18,13 +18,17 @@ from tlt.errors import CheckpointError, ConfigError, TrainingError
 from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
 from tlt.speculative.data import DraftRecord, collect
 from tlt.speculative.drafter import Drafter
-from tlt.speculative.strategy import Strategy
 from tlt.spot.buffer import Entry, OnlineBuffer, favour_long, keep_recent, sampled_batches
 from tlt.spot.coordinator import Coordinator, WorkerState
 from tlt.spot.config import SpotConfig
-from tlt.spot.trainer import (DrafterCheckpointer, Schedule, SpotTrainer, _snapshot, latest_drafter_checkpoint,
-                              load_checkpoint, write_checkpoint)
-from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
+from tlt.spot.checkpoint import (DrafterCheckpointer, _snapshot, latest_drafter_checkpoint, load_checkpoint,
+                                 write_checkpoint)
+from tlt.spot.schedule import Schedule
+from tlt.spot.trainer import SpotTrainer
+from tlt.rollout.stats import RolloutStats
+from tlt.spot.rollout import drafter_acceptance
+from tlt.spot.shares import LengthPredictor, assign
+from tlt.spot.workers import ShareStats
 
 
 def record(n: int, H: int = 4, fill: float = 0.0) -> DraftRecord:
@@ -170,9 +174,9 @@ def test_coordinator_lifecycle_and_timeline():
     c.trainer_stopped()
     assert c.states == [WorkerState.DONE] * 3
     s = c.summary()
-    assert s["generating_s"] == [2.0, 1.0, 5.0]
-    assert s["training_s"] == [0.0, 4.0, 0.0]
-    assert s["idle_s"] == [3.0, 0.0, 0.0]
+    assert s.generating_s == [2.0, 1.0, 5.0]
+    assert s.training_s == [0.0, 4.0, 0.0]
+    assert s.idle_s == [3.0, 0.0, 0.0]
     c.start_rollout()  # the next rollout starts from DONE
     assert c.states == [WorkerState.GENERATING] * 3
 
@@ -346,7 +350,8 @@ KILL_SCRIPT = textwrap.dedent("""
     from tlt.model import ModelConfig, Transformer
     from tlt.speculative.drafter import Drafter
     from tlt.spot.config import SpotConfig
-    from tlt.spot.trainer import DrafterCheckpointer, SpotTrainer
+    from tlt.spot.checkpoint import DrafterCheckpointer
+    from tlt.spot.trainer import SpotTrainer
     torch.manual_seed(0)
     target = Transformer(ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=61, hidden_size=256,
         intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -381,7 +386,7 @@ def test_a_kill_during_save_never_leaves_a_torn_checkpoint(tmp_path, target):
         folder = latest_drafter_checkpoint(root)
         if folder is None:
             continue
-        from tlt.spot.trainer import read_state
+        from tlt.spot.checkpoint import read_state
 
         state = read_state(folder)
         values = {float(v.flatten()[0]) for v in state["drafter"].values()}
@@ -415,16 +420,17 @@ def test_length_predictor():
     assert abs(p.predict(list(range(20))) - 200.0) < 1e-6  # unseen: the line on prompt length
 
 
-def test_merge_stats_and_drafter_acceptance():
-    a = {"steps": 2, "prefill_tokens": 5, "decode_tokens": 9, "wall_time_s": 1.0, "step_times_s": [0.5, 0.5],
-         "batch_sizes": [2, 1], "strategies": ["off", "chain-d4"], "step_tokens": [2, 4]}
-    b = {"steps": 1, "prefill_tokens": 3, "decode_tokens": 3, "wall_time_s": 2.0, "step_times_s": [2.0],
-         "batch_sizes": [1], "strategies": ["ngram-d4"], "step_tokens": [3]}
-    m = merge_stats([a, b])
-    assert m["steps"] == 3 and m["decode_tokens"] == 12 and m["wall_time_s"] == 2.0
-    assert m["acceptance_length"] == (4 + 3) / 2
-    assert drafter_acceptance(m) == 4.0  # n-gram steps do not count for the learned drafter
-    assert drafter_acceptance(b) is None
+def test_merge_share_stats_and_drafter_acceptance():
+    a = ShareStats(RolloutStats(2, 5, 9, [0.5, 0.5], [2, 1], ["off", "chain-d4"], [2, 4], 1.0), drafter_swaps=1)
+    b = ShareStats(RolloutStats(1, 3, 3, [2.0], [1], ["ngram-d4"], [3], 2.0), drafter_swaps=2)
+    m = ShareStats.merge([a, b])
+    assert m.rollout.steps == 3 and m.rollout.decode_tokens == 12 and m.rollout.wall_time == 2.0
+    assert m.drafter_swaps == 3
+    assert m.rollout.acceptance_length() == (4 + 3) / 2
+    assert m.rollout.rows_by_strategy() == {"chain-d4": 1, "ngram-d4": 1}
+    assert m.rollout.acceptance_by_strategy() == {"chain-d4": 4.0, "ngram-d4": 3.0}
+    assert drafter_acceptance(m.rollout) == 4.0  # n-gram steps do not count for the learned drafter
+    assert drafter_acceptance(b.rollout) is None
 
 
 # --- hot swap --------------------------------------------------------------------------------------
@@ -439,7 +445,7 @@ def test_drafter_swapped_mid_rollout_changes_no_output(target):
     other = Drafter.from_target(target, seed=9).trainable_state()
     swaps = []
 
-    drafter_arms = [a for a in engine.tuner.config.arms if Strategy.parse(a).uses_drafter]
+    drafter_arms = [a for a in engine.tuner.arms if a.uses_drafter]
 
     def swap(e):
         if e._stats.steps == 8:
@@ -474,14 +480,14 @@ def test_a_stop_that_overtakes_its_phase_still_stops_it_and_no_later_one(tmp_pat
     from tlt.spot.workers import RolloutWorker, WorkerSpec
 
     target.save_pretrained(tmp_path / "model")
-    worker = RolloutWorker(WorkerSpec(str(tmp_path / "model"), {"speculative": "adaptive"}, drafter="random"))
+    worker = RolloutWorker(WorkerSpec(str(tmp_path / "model"), EngineConfig(speculative="adaptive", drafter="random")))
     c = small(max_steps=2)
     weights = favour_long()([Entry(r, 0, j) for j, r in enumerate(records)])
     worker.stop_training(1)  # arrives before phase 1 has begun
     _, report = worker.train(1, None, records, weights, c, seed=0)
-    assert report["steps"] == 0 and report["stopped"] == "stop"
+    assert report.steps == 0 and report.stopped == "stop"
     state, report = worker.train(2, None, records, weights, c, seed=0)  # the old stop does not reach phase 2
-    assert report["steps"] == 2 and report["stopped"] == "max_steps" and state["version"] == 1
+    assert report.steps == 2 and report.stopped == "max_steps" and state["version"] == 1
     assert torch.equal(worker.drafter_tensor("fc.weight"), state["drafter"]["fc.weight"])
 
 
@@ -510,7 +516,7 @@ def test_a_low_precision_drafter_trains_as_a_float32_twin(target, records):
     seen = []
     state, report = run_phase(drafter, None, records, [1.0] * len(records), small(max_steps=40), seed=0,
                               after_step=lambda s: seen.append({k: v.clone() for k, v in drafter.state_dict().items()}))
-    assert report["steps"] == 40 and len(seen) == 40
+    assert report.steps == 40 and len(seen) == 40
     assert all(v.dtype == torch.float32 for v in state["drafter"].values())
     assert all(v.dtype == torch.bfloat16 for v in drafter.state_dict().values())
     assert any(not torch.equal(start[k], v) for k, v in seen[0].items())  # published before the first hook

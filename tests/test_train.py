@@ -163,7 +163,7 @@ def test_bad_config_names_the_key(fields, message):
 
 
 def test_rollout_layout_puts_one_worker_on_each_gpu_by_default():
-    from tlt.rl.trainer import rollout_layout
+    from tlt.spot.rollout import rollout_layout
 
     assert rollout_layout(0, 0.0, cores=16, gpus=0) == (16, 0.0)  # CPU: one worker per core
     assert rollout_layout(0, 0.0, cores=16, gpus=8) == (8, 1.0)  # trainer on CUDA: one per GPU, holding it

@@ -10,6 +10,9 @@ import pytest
 from tlt.adaptive import Tuner, TunerConfig
 from tlt.config import from_dict
 from tlt.errors import ConfigError
+from tlt.speculative import Strategy
+
+S = Strategy.parse
 
 # Synthetic arms for the reward streams below (not the production defaults, which are measured).
 ARMS = ("off", "ngram-d4", "chain-d3", "chain-d5", "tree-d4-k2-v8", "tree-d6-k4-v24", "tree-d8-k4-v48")
@@ -36,8 +39,8 @@ def run(tuner: Tuner, batch_size: int, means: dict, steps: int, rng: random.Rand
     choices = []
     for _ in range(steps):
         arm = tuner.choose(batch_size, allowed)
-        tuner.update(batch_size, arm, noisy(rng, means[arm]))
-        choices.append(arm)
+        tuner.update(batch_size, arm, noisy(rng, means[arm.name]))
+        choices.append(arm.name)
     return choices
 
 
@@ -60,7 +63,7 @@ def test_converges_to_the_best_arm_of_each_bucket():
             if step >= 1000:
                 late[b].append(arm)
     for b, means in MEANS.items():
-        assert tuner.best(b) == best_of(means), b
+        assert tuner.best(b) == S(best_of(means)), b
         hit = late[b].count(best_of(means)) / len(late[b])
         assert hit >= 1 - config.epsilon - 0.05, (b, hit)
     stats = tuner.stats()["buckets"]
@@ -85,9 +88,9 @@ def test_follows_a_change_of_best_arm(change):
         after["tree-d8-k4-v48"] = 60
     tuner, rng = Tuner(TunerConfig(arms=ARMS, decay=0.99)), random.Random(2)
     run(tuner, 1, MEANS[1], 1500, rng)
-    assert tuner.best(1) == "tree-d8-k4-v48"
+    assert tuner.best(1) == S("tree-d8-k4-v48")
     choices = run(tuner, 1, after, 600, rng)
-    assert tuner.best(1) == "chain-d3"
+    assert tuner.best(1) == S("chain-d3")
     tail = choices[-100:]
     assert tail.count("chain-d3") / len(tail) >= 0.8
 
@@ -98,7 +101,7 @@ def test_without_decay_a_risen_arm_waits_for_half_its_window():
     tuner, rng = Tuner(TunerConfig(arms=ARMS, decay=1.0)), random.Random(2)
     run(tuner, 1, MEANS[1], 1500, rng)
     run(tuner, 1, {**MEANS[1], "chain-d3": 200}, 400, rng)
-    assert tuner.best(1) == "tree-d8-k4-v48"
+    assert tuner.best(1) == S("tree-d8-k4-v48")
 
 
 def test_rewards_older_than_the_window_drop_out():
@@ -108,9 +111,9 @@ def test_rewards_older_than_the_window_drop_out():
     for window, kept in ((30, False), (300, True)):
         tuner, rng = Tuner(TunerConfig(arms=ARMS, decay=1.0, window=window)), random.Random(3)
         run(tuner, 1, MEANS[1], 600, rng)
-        assert tuner.best(1) == "tree-d8-k4-v48"
+        assert tuner.best(1) == S("tree-d8-k4-v48")
         run(tuner, 1, {**MEANS[1], "tree-d8-k4-v48": 50}, 80, rng)
-        assert (tuner.best(1) == "tree-d8-k4-v48") == kept, window
+        assert (tuner.best(1) == S("tree-d8-k4-v48")) == kept, window
 
 
 @pytest.mark.parametrize("epsilon", [0.0, 0.2])
@@ -123,7 +126,7 @@ def test_epsilon_sets_the_exploration_rate(epsilon):
         greedy = tuner.best(8)
         arm = tuner.choose(8)
         off_greedy += arm != greedy
-        tuner.update(8, arm, noisy(rng, means[arm]))
+        tuner.update(8, arm, noisy(rng, means[arm.name]))
     # an exploration draw is uniform over all arms, so it lands on the greedy arm 1 time in len(ARMS)
     assert off_greedy / steps == pytest.approx(epsilon * (1 - 1 / len(ARMS)), abs=0.03)
     explored = tuner.stats()["buckets"][tuner.bucket_of(8)]["explored"]
@@ -149,11 +152,11 @@ def test_cost_exploration_runs_a_slow_arm_in_proportion_to_its_step_time(timed):
         counts, seconds, emitted = dict.fromkeys(arms, 0), 0.0, 0
         for _ in range(steps):
             arm = tuner.choose(64)
-            reward = noisy(rng, means[arm], sigma=0.05)
-            step = tokens[arm] / reward
+            reward = noisy(rng, means[arm.name], sigma=0.05)
+            step = tokens[arm.name] / reward
             tuner.update(64, arm, reward, seconds=step if timed else None)
-            counts[arm] += 1
-            seconds, emitted = seconds + step, emitted + tokens[arm]
+            counts[arm.name] += 1
+            seconds, emitted = seconds + step, emitted + tokens[arm.name]
         overhead[explore] = seconds / (emitted / means["off"]) - 1  # over emitting the same tokens with "off"
         run_rate = {a: 1.0 for a in arms}
         if explore == "cost":
@@ -172,10 +175,10 @@ def test_untried_arms_come_first_in_config_order():
     tuner, rng = Tuner(TunerConfig(arms=ARMS, epsilon=1.0)), random.Random(0)
     assert run(tuner, 1, MEANS[1], len(ARMS), rng) == list(ARMS)
     # buckets are independent: a new bucket sweeps its untried arms again, `allowed` ones only
-    trees = run(tuner, 64, MEANS[64], 2, rng, allowed=lambda a: a.startswith("tree"))
+    trees = run(tuner, 64, MEANS[64], 2, rng, allowed=lambda a: a.kind == "tree")
     assert trees == ["tree-d4-k2-v8", "tree-d6-k4-v24"]
     # an arm chosen but never rewarded stays untried
-    assert tuner.choose(8) == tuner.choose(8) == "off"
+    assert tuner.choose(8) == tuner.choose(8) == S("off")
 
 
 def test_same_seed_same_choices_and_different_seed_differs():
@@ -210,7 +213,7 @@ def test_a_version_1_state_without_step_times_still_loads():
     tuner, rng = Tuner(TunerConfig(arms=ARMS)), random.Random(4)
     for _ in range(50):
         arm = tuner.choose(8)
-        tuner.update(8, arm, noisy(rng, MEANS[8][arm]), seconds=0.01)
+        tuner.update(8, arm, noisy(rng, MEANS[8][arm.name]), seconds=0.01)
     state = json.loads(json.dumps(tuner.state_dict()))
     assert state["buckets"][tuner.bucket_of(8)]["seconds"]
     old = {**state, "version": 1, "buckets": [{k: v for k, v in b.items() if k != "seconds"} for b in state["buckets"]]}
@@ -241,7 +244,7 @@ def test_pruning_drops_a_clearly_bad_arm_but_never_off_and_logs_it():
     assert len(logged) == 1 and "tree-d4-k2-v8" in logged[0] and "bucket 1" in logged[0]
     later = run(tuner, 1, means, 300, rng)
     assert "tree-d4-k2-v8" not in later and "off" in later  # explored, never pruned
-    assert tuner.choose(8) == "off" and "tree-d4-k2-v8" in run(tuner, 8, MEANS[8], len(ARMS), rng)  # per bucket
+    assert tuner.choose(8) == S("off") and "tree-d4-k2-v8" in run(tuner, 8, MEANS[8], len(ARMS), rng)  # per bucket
 
 
 def test_prune_ratio_zero_disables_pruning():
@@ -252,13 +255,13 @@ def test_prune_ratio_zero_disables_pruning():
 
 def test_allowed_excludes_arms_from_every_branch():
     tuner, rng = Tuner(TunerConfig(arms=ARMS, epsilon=0.5)), random.Random(8)
-    no_drafter = lambda a: a == "off" or a.startswith("ngram")  # noqa: E731
+    no_drafter = lambda a: a.kind in ("off", "ngram")  # noqa: E731
     choices = run(tuner, 4, MEANS[8], 400, rng, allowed=no_drafter)
     assert set(choices) == {"off", "ngram-d4"}
     # the bucket's greedy arm is excluded once the guard tightens
     run(tuner, 4, MEANS[8], 400, rng)
-    assert tuner.best(4) == "tree-d4-k2-v8"
-    assert "tree-d4-k2-v8" not in run(tuner, 4, MEANS[8], 200, rng, allowed=lambda a: a != "tree-d4-k2-v8")
+    assert tuner.best(4) == S("tree-d4-k2-v8")
+    assert "tree-d4-k2-v8" not in run(tuner, 4, MEANS[8], 200, rng, allowed=lambda a: a != S("tree-d4-k2-v8"))
     with pytest.raises(ValueError, match="allowed"):
         tuner.choose(4, allowed=lambda a: False)
 
@@ -266,12 +269,12 @@ def test_allowed_excludes_arms_from_every_branch():
 def test_update_rejects_bad_input():
     tuner = Tuner(TunerConfig(arms=ARMS))
     with pytest.raises(ValueError, match="unknown arm"):
-        tuner.update(1, "chain-d9", 1.0)
+        tuner.update(1, S("chain-d9"), 1.0)
     for reward in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="reward"):
-            tuner.update(1, "off", reward)
+            tuner.update(1, S("off"), reward)
         with pytest.raises(ValueError, match="seconds"):
-            tuner.update(1, "off", 1.0, seconds=reward)
+            tuner.update(1, S("off"), 1.0, seconds=reward)
 
 
 @pytest.mark.parametrize("field, value", [

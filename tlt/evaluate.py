@@ -45,7 +45,7 @@ def evaluate(model, tokenizer, problems, temperature: float = 1.0, n: int = 1, m
     engine = engine or RolloutEngine(model, tokenizer, EngineConfig(progress=progress))
     params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed * 100_003 + i)
               for i in range(len(problems))]
-    stats_before = engine.stats()["wall_time_s"]
+    stats_before = engine.rollout_stats.wall_time
     outputs = engine.generate([p.prompt for p in problems], params)
     correct, lengths, buckets, passes = [], [], {}, []
     for problem, out in zip(problems, outputs):
@@ -59,7 +59,7 @@ def evaluate(model, tokenizer, problems, temperature: float = 1.0, n: int = 1, m
     return EvalResult(
         accuracy=float(np.mean(correct)), pass_at_k=float(np.mean(passes)), samples=len(correct), lengths=lengths,
         by_steps={k: float(np.mean(buckets[k])) for k in order},
-        wall_time_s=engine.stats()["wall_time_s"] - stats_before,
+        wall_time_s=engine.rollout_stats.wall_time - stats_before,
     )
 
 

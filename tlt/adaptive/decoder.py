@@ -36,7 +36,6 @@ class AdaptiveDecoder:
 
     def __init__(self, spec: SpeculativeDecoder, tuner: Tuner, max_draft_tokens: int = 8192) -> None:
         self.spec, self.tuner, self.max_draft_tokens = spec, tuner, max_draft_tokens
-        self.strategies = {name: Strategy.parse(name) for name in tuner.config.arms}
         self.output_layers = spec.output_layers
         self.drafter = spec.drafter
 
@@ -48,8 +47,7 @@ class AdaptiveDecoder:
         spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window)
         return cls(spec, tuner, config.max_draft_tokens)
 
-    def allowed(self, name: str, batch_size: int) -> bool:
-        strategy = self.strategies[name]
+    def allowed(self, strategy: Strategy, batch_size: int) -> bool:
         if strategy.uses_drafter and self.spec.drafter is None:
             return False
         return strategy.kind == "off" or strategy.draft_tokens * batch_size <= self.max_draft_tokens
@@ -71,13 +69,13 @@ class AdaptiveDecoder:
         """Load the weights, then let the arms that use the drafter compete again where the tuner had
         pruned them: they were judged with the old one (their rewards fade by its decay)."""
         self.spec.load_drafter(state)
-        self.tuner.unprune([name for name, strategy in self.strategies.items() if strategy.uses_drafter])
+        self.tuner.unprune([arm for arm in self.tuner.arms if arm.uses_drafter])
 
     def decode(self, batch) -> DecodeResult:
         size = len(batch)
-        arm = self.tuner.choose(size, allowed=lambda name: self.allowed(name, size))
+        arm = self.tuner.choose(size, allowed=lambda strategy: self.allowed(strategy, size))
         start = time.perf_counter()
-        result = self.spec.decode(batch, self.strategies[arm])
+        result = self.spec.decode(batch, arm)
         elapsed = max(time.perf_counter() - start, 1e-9)
         self.tuner.update(size, arm, sum(map(len, result.tokens)) / elapsed, seconds=elapsed)
         return result

@@ -1,6 +1,7 @@
 """BEG-MAB: the bucketed epsilon-greedy multi-armed bandit that picks each decode step's strategy.
 
-Arms are strategy names ("off", "ngram-d4", "tree-d6-k4-v24", ...). What an arm earns depends mostly on
+Arms are `Strategy` objects, named in the config ("off", "ngram-d4", "tree-d6-k4-v24", ...) and in
+`stats()` and `state_dict()`, the tuner's JSON. What an arm earns depends mostly on
 the live batch size: verifying 48 tree nodes per row is nearly free at batch 1 and ruinous at batch 64.
 So the tuner keeps one independent bandit per batch-size bucket. `buckets` are upper bounds: a batch
 of size b falls in the first bucket whose bound is >= b, and one open bucket past the last bound
@@ -16,12 +17,11 @@ Inside a bucket, `choose` is epsilon-greedy:
    epsilon-greedy). Without step times (`update` called without `seconds`) the reward ratio
    score(arm) / score(greedy) stands in: the two agree when every arm emits the same tokens per step.
 3. Otherwise the arm with the best score, ties going to the arm listed first.
-Why "cost": an exploration step can cost many plain steps, and at large batch the spread is wide: a
-tree verification of 128 rows (plus the drafter's catch-up over every pair the plain steps queued)
-took as long as 10-15 plain steps on the default model, so uniform exploration at epsilon = 0.1 made
-the adaptive engine 0.6x as fast as plain decoding at a constant batch of 128. Weighting each draw by
-the step-time ratio caps what a draw costs at about one greedy step's time, however slow the arm,
-while arms about as fast as the greedy one, the only ones that can overtake it, run at the full rate.
+Why "cost": at large batch one step of a slow arm (a tree verification of 128 rows, plus the drafter's
+catch-up over the pairs the plain steps queued) costs many plain steps, so uniform exploration there
+can cost more than speculation saves. Weighting each draw by the step-time ratio caps what a draw
+costs at about one greedy step's time, however slow the arm, while arms about as fast as the greedy
+one, the only ones that can overtake it, run at the full rate.
 Only arms not pruned from the bucket and accepted by the caller's `allowed` predicate compete: the
 engine uses it for a memory guard (draft tokens x batch) and to drop drafter arms when no drafter is
 loaded.
@@ -81,16 +81,13 @@ from tlt.speculative.strategy import Strategy
 # sampling's own, so an adaptive rollout returns the very samples plain decoding would (token for token
 # given equal logits), not merely samples of the same distribution: a tlt RL run is the baseline run,
 # faster. Chains with speculative sampling ("chain-d4") keep the distribution but draw other samples;
-# they stay available as arms. The shapes were measured with the default model and drafter on this
-# 2-core CPU at temperature 1.0 (`tlt bench speculative --threads 2 --strategies off,chain-d4,
-# tree-d4-k1-v4,tree-d4-k2-v8,...`): the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4 (2.92
-# vs 2.74-2.95 tokens per step) and costs less (1.38x vs 1.17x over off at batch 16); tree-d4-k4-v16
-# was the fastest at batch 1 (1.44-1.57x), tree-d4-k2-v8 / tree-d4-k3-v10 at batch 4-16 (1.39-1.56x);
-# tree-d6-k4-v24 accepted more but lost to tree-d4-k4-v16 at every batch size; off wins at 64 and
-# beyond. n-gram drafting stays for cold start and for the loops a sampled policy falls into.
+# they stay available as arms. The trees cover the batch sizes where drafting pays, widest at batch 1
+# (tree-d4-k4-v16), narrower up to batch 16; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4
+# at less cost; off wins at large batch (`tlt bench speculative --strategies ...` compares shapes).
+# n-gram drafting stays for cold start and for the loops a sampled policy falls into.
 DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d4-k4-v16")
 
-STATE_VERSION = 2  # 2 added step times; version-1 states load with none
+STATE_VERSION = 2  # version-1 states hold no step times and load with none
 EXPLORE = ("cost", "uniform")
 STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 
@@ -167,22 +164,25 @@ def decayed_median(window: Sequence[tuple[int, float]], decay: float) -> float:
 class _Bucket:
     """One bandit: per-arm reward windows, counters and pruning records for one batch-size bucket."""
 
-    def __init__(self, arms: Sequence[str], window: int) -> None:
+    def __init__(self, arms: Sequence[Strategy], window: int) -> None:
         self.clock = 0  # rewards recorded in this bucket; the stamp of the next one
         self.explored = 0  # choices made by the epsilon branch
         self.choices = {a: 0 for a in arms}
         self.windows = {a: deque(maxlen=window) for a in arms}  # arm -> deque of (stamp, reward)
-        self.pruned: dict[str, dict] = {}
+        self.pruned: dict[Strategy, dict] = {}
         self.seconds = {a: deque(maxlen=STEP_TIMES) for a in arms}  # arm -> recent step times
-        self.summaries: dict[str, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
+        self.summaries: dict[Strategy, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
 
 
 class Tuner:
+    """The bandit of the module docstring; `arms` are the config's arms as strategies, in config order."""
+
     def __init__(self, config: TunerConfig | None = None, log: Callable[[str], None] | None = None) -> None:
         self.config = config or TunerConfig()
+        self.arms = tuple(Strategy.parse(name) for name in self.config.arms)
         self.log = log or (lambda message: None)
         self._rng = random.Random(self.config.seed)
-        self._buckets = [_Bucket(self.config.arms, self.config.window) for _ in range(len(self.config.buckets) + 1)]
+        self._buckets = [_Bucket(self.arms, self.config.window) for _ in range(len(self.config.buckets) + 1)]
 
     # --- the bandit --------------------------------------------------------------------------------
     def bucket_of(self, batch_size: int) -> int:
@@ -194,15 +194,14 @@ class Tuner:
                 return i
         return len(self.config.buckets)
 
-    def choose(self, batch_size: int, allowed: Callable[[str], bool] | None = None) -> str:
+    def choose(self, batch_size: int, allowed: Callable[[Strategy], bool] | None = None) -> Strategy:
         """The arm to run for a step at `batch_size`, among unpruned arms that `allowed` accepts."""
         i = self.bucket_of(batch_size)
         bucket = self._buckets[i]
-        candidates = [a for a in self.config.arms
-                      if a not in bucket.pruned and (allowed is None or allowed(a))]
+        candidates = [a for a in self.arms if a not in bucket.pruned and (allowed is None or allowed(a))]
         if not candidates:
             raise ValueError(f"no arm is allowed in bucket {self.label(i)}: `allowed` rejected all of "
-                             f"{[a for a in self.config.arms if a not in bucket.pruned]}")
+                             f"{[a.name for a in self.arms if a not in bucket.pruned]}")
         untried = [a for a in candidates if not bucket.windows[a]]
         if untried:
             arm = untried[0]
@@ -212,7 +211,7 @@ class Tuner:
         bucket.choices[arm] += 1
         return arm
 
-    def _explore(self, bucket: _Bucket, candidates: list[str]) -> str | None:
+    def _explore(self, bucket: _Bucket, candidates: list[Strategy]) -> Strategy | None:
         """An exploration draw: a uniformly random candidate, which runs always under explore="uniform"
         and under "cost" with probability min(1, seconds(greedy) / seconds(drawn)) (see the module
         docstring); None when it does not run."""
@@ -228,11 +227,10 @@ class Tuner:
         bucket.explored += 1
         return drawn
 
-    def update(self, batch_size: int, arm: str, reward: float, seconds: float | None = None) -> None:
+    def update(self, batch_size: int, arm: Strategy, reward: float, seconds: float | None = None) -> None:
         """Record the reward (accepted tokens per second) that `arm` earned on a step at `batch_size`,
         and the step's duration when given (what explore="cost" weighs exploration draws by)."""
-        if arm not in self._buckets[0].choices:
-            raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
+        self._check_arms([arm])
         _check_measure("reward", reward)
         if seconds is not None:
             _check_measure("seconds", seconds)
@@ -245,58 +243,61 @@ class Tuner:
         bucket.summaries.pop(arm, None)
         self._prune(i)
 
-    def best(self, batch_size: int) -> str | None:
+    def best(self, batch_size: int) -> Strategy | None:
         """The greedy arm of the bucket (unpruned, with rewards), or None before any reward arrives."""
         bucket = self._buckets[self.bucket_of(batch_size)]
-        tried = [a for a in self.config.arms if a not in bucket.pruned and bucket.windows[a]]
+        tried = [a for a in self.arms if a not in bucket.pruned and bucket.windows[a]]
         return self._greedy(bucket, tried) if tried else None
 
-    def _score(self, bucket: _Bucket, arm: str) -> float:
+    def _score(self, bucket: _Bucket, arm: Strategy) -> float:
         """Decayed median reward of `arm` in `bucket` (what the greedy choice ranks by); +inf while it has none."""
         return self._summary(bucket, arm)[0] if bucket.windows[arm] else math.inf
 
-    def _median(self, bucket: _Bucket, arm: str) -> float:
+    def _median(self, bucket: _Bucket, arm: Strategy) -> float:
         """Plain median of the window (what pruning compares)."""
         return self._summary(bucket, arm)[1]
 
-    def _summary(self, bucket: _Bucket, arm: str) -> tuple[float, float]:
+    def _summary(self, bucket: _Bucket, arm: Strategy) -> tuple[float, float]:
         if arm not in bucket.summaries:
             window = bucket.windows[arm]
             rewards = [r for _, r in window]
             bucket.summaries[arm] = (decayed_median(window, self.config.decay), statistics.median(rewards))
         return bucket.summaries[arm]
 
-    def _greedy(self, bucket: _Bucket, arms: list[str]) -> str:
+    def _greedy(self, bucket: _Bucket, arms: list[Strategy]) -> Strategy:
         return max(arms, key=lambda a: self._score(bucket, a))  # max keeps the first of equal scores
 
     def _prune(self, i: int) -> None:
         bucket, c = self._buckets[i], self.config
         if c.prune_ratio == 0:
             return
-        ripe = [a for a in c.arms if a not in bucket.pruned and len(bucket.windows[a]) >= c.prune_after]
+        ripe = [a for a in self.arms if a not in bucket.pruned and len(bucket.windows[a]) >= c.prune_after]
         if len(ripe) < 2:
             return
         leader = max(ripe, key=lambda a: self._median(bucket, a))
         best_median = self._median(bucket, leader)
         for arm in ripe:
             median = self._median(bucket, arm)
-            if arm != "off" and median < c.prune_ratio * best_median:
-                record = {"step": bucket.clock, "median": median, "best": leader, "best_median": best_median}
+            if arm.kind != "off" and median < c.prune_ratio * best_median:
+                record = {"step": bucket.clock, "median": median, "best": leader.name, "best_median": best_median}
                 bucket.pruned[arm] = record
-                self.log(f"tuner: pruned {arm} from bucket {self.label(i)} at step {bucket.clock}: median "
-                         f"{median:.1f} tok/s < {c.prune_ratio} x {leader}'s {best_median:.1f}")
+                self.log(f"tuner: pruned {arm.name} from bucket {self.label(i)} at step {bucket.clock}: median "
+                         f"{median:.1f} tok/s < {c.prune_ratio} x {leader.name}'s {best_median:.1f}")
 
-    def unprune(self, arms: Sequence[str]) -> None:
+    def unprune(self, arms: Sequence[Strategy]) -> None:
         """Let `arms` compete again in every bucket they were pruned from, keeping their reward windows:
         the drafter they were judged with has been replaced, and pruning is otherwise for good. Their old
         rewards fade under `decay` as fresh ones arrive, so a better drafter is recognised without paying
         to re-measure every arm in every bucket (which at large batch costs more than it tells)."""
-        for arm in arms:
-            if arm not in self._buckets[0].choices:
-                raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
+        self._check_arms(arms)
         for bucket in self._buckets:
             for arm in arms:
                 bucket.pruned.pop(arm, None)
+
+    def _check_arms(self, arms: Sequence[Strategy]) -> None:
+        for arm in arms:
+            if arm not in self._buckets[0].choices:
+                raise ValueError(f"unknown arm {arm!r}; this tuner's arms are {self.config.arms}")
 
     # --- reporting and state -----------------------------------------------------------------------
     def label(self, i: int) -> str:
@@ -313,17 +314,18 @@ class Tuner:
         with why they were pruned."""
         out = []
         for i, bucket in enumerate(self._buckets):
-            tried = [a for a in self.config.arms if bucket.windows[a]]
+            tried = [a for a in self.arms if bucket.windows[a]]
+            best = self._greedy(bucket, [a for a in tried if a not in bucket.pruned]) if tried else None
             out.append({
                 "bucket": self.label(i),
                 "steps": bucket.clock,
-                "choices": dict(bucket.choices),
+                "choices": {a.name: n for a, n in bucket.choices.items()},
                 "explored": bucket.explored,
-                "samples": {a: len(bucket.windows[a]) for a in tried},
-                "median": {a: self._median(bucket, a) for a in tried},
-                "score": {a: self._score(bucket, a) for a in tried},
-                "best": self._greedy(bucket, [a for a in tried if a not in bucket.pruned]) if tried else None,
-                "pruned": {a: dict(r) for a, r in bucket.pruned.items()},
+                "samples": {a.name: len(bucket.windows[a]) for a in tried},
+                "median": {a.name: self._median(bucket, a) for a in tried},
+                "score": {a.name: self._score(bucket, a) for a in tried},
+                "best": best.name if best is not None else None,
+                "pruned": {a.name: dict(r) for a, r in bucket.pruned.items()},
             })
         return {"buckets": out}
 
@@ -337,10 +339,10 @@ class Tuner:
             "buckets": [{
                 "clock": b.clock,
                 "explored": b.explored,
-                "choices": dict(b.choices),
-                "windows": {a: [[s, r] for s, r in w] for a, w in b.windows.items() if w},
-                "seconds": {a: list(t) for a, t in b.seconds.items() if t},
-                "pruned": {a: dict(r) for a, r in b.pruned.items()},
+                "choices": {a.name: n for a, n in b.choices.items()},
+                "windows": {a.name: [[s, r] for s, r in w] for a, w in b.windows.items() if w},
+                "seconds": {a.name: list(t) for a, t in b.seconds.items() if t},
+                "pruned": {a.name: dict(r) for a, r in b.pruned.items()},
             } for b in self._buckets],
         }
 
@@ -354,16 +356,17 @@ class Tuner:
                               "use Tuner.from_state_dict")
         if len(state["buckets"]) != len(self._buckets):
             raise ConfigError(f"tuner state has {len(state['buckets'])} buckets, expected {len(self._buckets)}")
+        by_name = {a.name: a for a in self.arms}
         buckets = []
         for saved_bucket in state["buckets"]:
-            bucket = _Bucket(self.config.arms, self.config.window)
+            bucket = _Bucket(self.arms, self.config.window)
             bucket.clock, bucket.explored = int(saved_bucket["clock"]), int(saved_bucket["explored"])
-            bucket.choices.update({a: int(n) for a, n in saved_bucket["choices"].items()})
-            for arm, window in saved_bucket["windows"].items():
-                bucket.windows[arm].extend((int(s), float(r)) for s, r in window)
-            bucket.pruned = {a: dict(r) for a, r in saved_bucket["pruned"].items()}
-            for arm, times in saved_bucket.get("seconds", {}).items():
-                bucket.seconds[arm].extend(float(t) for t in times)
+            bucket.choices.update({by_name[a]: int(n) for a, n in saved_bucket["choices"].items()})
+            for name, window in saved_bucket["windows"].items():
+                bucket.windows[by_name[name]].extend((int(s), float(r)) for s, r in window)
+            bucket.pruned = {by_name[a]: dict(r) for a, r in saved_bucket["pruned"].items()}
+            for name, times in saved_bucket.get("seconds", {}).items():
+                bucket.seconds[by_name[name]].extend(float(t) for t in times)
             buckets.append(bucket)
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from tlt.config import override
+from tlt.rollout.stats import RolloutStats
 
 SUFFIX_ARMS = ("suffix-d16-v32", "hybrid-d4-k4-v16")
 
@@ -95,9 +96,9 @@ def epoch_of(step: int, prompts_per_step: int, problems: int) -> int:
     return step * prompts_per_step // problems + 1
 
 
-def counts(stats: dict) -> tuple[int, int]:
+def counts(stats: RolloutStats) -> tuple[int, int]:
     """(tokens, row-steps) of a rollout's speculative steps (acceptance length = tokens / row-steps)."""
-    pairs = [(t, b) for t, b, s in zip(stats["step_tokens"], stats["batch_sizes"], stats["strategies"]) if s != "off"]
+    pairs = [(t, b) for t, b, s in zip(stats.step_tokens, stats.batch_sizes, stats.strategies) if s != "off"]
     return sum(t for t, _ in pairs), sum(b for _, b in pairs)
 
 
@@ -114,19 +115,19 @@ class PairedRollout:
         return getattr(self.backend, name)
 
     def generate(self, prompts, params, weights_version, step, learn=True, **drafts):
-        outputs, stats = self.backend.generate(prompts, params, weights_version, step, learn=learn, **drafts)
+        outputs, report = self.backend.generate(prompts, params, weights_version, step, learn=learn, **drafts)
         if not learn:
-            return outputs, stats
-        record = {self.primary: {"counts": counts(stats), "sources": stats.get("draft_sources", {})}}
+            return outputs, report
+        record = {self.primary: {"counts": counts(report.stats), "sources": report.stats.sources}}
         tokens = [c.token_ids for o in outputs for c in o.outputs]
         for name, engine in self.engines.items():
             engine.reset_stats()
             other = engine.generate(prompts, params, **drafts)
-            other_stats = engine.stats()
-            record[name] = {"counts": counts(other_stats), "sources": other_stats.get("draft_sources", {}),
+            other_stats = engine.rollout_stats
+            record[name] = {"counts": counts(other_stats), "sources": other_stats.sources,
                             "same_samples": [c.token_ids for o in other for c in o.outputs] == tokens}
         self.rollouts.append(record)
-        return outputs, stats
+        return outputs, report
 
 
 def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:

@@ -91,7 +91,7 @@ def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, te
         outputs = engine.generate(prompts, params, use_tqdm=False)
         wall += time.perf_counter() - start
         tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"wall_s": wall, "tokens": tokens, "acceptance_length": engine.stats()["acceptance_length"]}
+    return {"wall_s": wall, "tokens": tokens, "acceptance_length": engine.rollout_stats.acceptance_length()}
 
 
 def run_hf(hf_model, batches: list[list[list[int]]], temperature: float, max_tokens: int, eos_id: int, pad_id: int,

@@ -79,7 +79,7 @@ def run_system(system: str, args, folder: Path, tokenizer, dataset, out: Path) -
     result = {"step_times_s": times, "rewards": [h["reward"] for h in logs],
               "mean_lengths": [h.get("completions/mean_length", 0.0) for h in logs]}
     if rollout is not None:
-        result["acceptance_length"] = rollout.engine.stats().get("acceptance_length")
+        result["acceptance_length"] = rollout.engine.rollout_stats.acceptance_length()
     return result
 
 

@@ -7,7 +7,7 @@ Layout of a run directory:
     checkpoints/step_00000k/
         policy/              a Hugging Face folder (config.json, model.safetensors, tokenizer)
         trainer_state.pt     optimizer, torch and Python RNG states, step, policy version, data position
-        tuner.json           the adaptive engine's tuner, when there is one
+        tuner.json           {"tuners": [...]}: each rollout worker's tuner state (null: it has none)
         drafter/             the drafter, when it is trained during the run
         drafter_buffer/      the online buffer it trains on (buffer.safetensors, buffer.json), unless
                              drafter.buffer_checkpoint=false
@@ -25,7 +25,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -34,22 +34,45 @@ from tlt.errors import CheckpointError
 from tlt.io import atomic_folder, atomic_write_bytes, atomic_write_json
 
 
+@dataclass
+class TrainerState:
+    """The GRPO trainer's own state (trainer_state.pt): its step (the policy version), the data position,
+    the optimizer's state, the torch and Python random states, and the states of the drafter's training
+    schedule and of the history store (None where the run has none)."""
+
+    step: int
+    data_position: int | None
+    optimizer: dict
+    torch_rng: torch.Tensor
+    python_rng: tuple
+    drafter_schedule: dict | None = None
+    history: dict | None = None
+
+    def as_dict(self) -> dict:
+        """The file's layout, which `load_state` reads back."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: dict, tuner_state: dict | None = None,
-                    drafter=None, keep: int = 2, online_buffer=None) -> Path:
+def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: TrainerState,
+                    tuners: list[dict | None] | None = None, drafter=None, keep: int = 2,
+                    online_buffer=None) -> Path:
+    """Checkpoint `step` of the run in `run_dir` (the layout of the module docstring): the policy and its
+    tokenizer, the trainer's `state`, the rollout workers' `tuners` states, the drafter trainer's state
+    (`drafter`, a spot.checkpoint.StateSnapshot) and the online buffer; the `keep` newest stay."""
     root = run_dir / "checkpoints"
     final = checkpoint_dir(run_dir, step)
     with atomic_folder(final) as tmp:
         policy.save_pretrained(tmp / "policy")
         tokenizer.save_pretrained(tmp / "policy")
         buffer = io.BytesIO()
-        torch.save(state, buffer)
+        torch.save(state.as_dict(), buffer)
         atomic_write_bytes(tmp / "trainer_state.pt", buffer.getvalue())
-        if tuner_state is not None:
-            atomic_write_json(tmp / "tuner.json", tuner_state)
+        if tuners is not None:
+            atomic_write_json(tmp / "tuner.json", {"tuners": tuners})
         if drafter is not None:
             drafter.save(tmp / "drafter")
         if online_buffer is not None:
@@ -76,7 +99,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return folder
 
 
-def load_state(folder: Path) -> dict:
+def load_state(folder: Path) -> TrainerState:
     path = folder / "trainer_state.pt"
     if not path.is_file():
         raise CheckpointError(f"{path}: file is missing")
@@ -87,7 +110,8 @@ def load_state(folder: Path) -> dict:
     missing = [k for k in ("step", "optimizer", "torch_rng", "python_rng") if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path}: no {missing[0]!r} in the trainer state")
-    return state
+    return TrainerState(int(state["step"]), state.get("data_position"), state["optimizer"], state["torch_rng"],
+                        state["python_rng"], state.get("drafter_schedule"), state.get("history"))
 
 
 def checkpoints_newest_first(run_dir: Path) -> list[Path]:
@@ -101,29 +125,42 @@ def checkpoints_newest_first(run_dir: Path) -> list[Path]:
 @dataclass
 class SavedCheckpoint:
     """A run checkpoint read into memory and checked: the trainer state, the policy's tensors, the
-    tuner state and the drafter trainer's state (None where the run had none). The online buffer,
-    which may be large, is read when it is restored (OnlineBuffer.load checks it before it replaces
-    anything)."""
+    workers' tuner states and the drafter trainer's state (None where the run had none). The online
+    buffer, which may be large, is read when it is restored (OnlineBuffer.load checks it before it
+    replaces anything)."""
 
     folder: Path
-    state: dict
+    state: TrainerState
     policy: dict[str, torch.Tensor]
-    tuner: dict | None
+    tuners: list[dict | None] | None
     drafter: dict | None
     buffer: Path | None
 
 
 def read_checkpoint(folder: Path) -> SavedCheckpoint:
     """Every file of checkpoint `folder`, read and checked; CheckpointError names the first bad one."""
-    from tlt.model.checkpoint import read_json, read_tensors
-    from tlt.spot.trainer import read_state
+    from tlt.model.checkpoint import read_tensors
+    from tlt.spot.checkpoint import read_state
 
     state = load_state(folder)
     policy = read_tensors(folder / "policy")
-    tuner = read_json(folder / "tuner.json") if (folder / "tuner.json").exists() else None
+    tuners = read_tuners(folder / "tuner.json") if (folder / "tuner.json").exists() else None
     drafter = read_state(folder / "drafter") if (folder / "drafter").is_dir() else None
     buffer = folder / "drafter_buffer" if (folder / "drafter_buffer").is_dir() else None
-    return SavedCheckpoint(folder, state, policy, tuner, drafter, buffer)
+    return SavedCheckpoint(folder, state, policy, tuners, drafter, buffer)
+
+
+def read_tuners(path: Path) -> list[dict | None]:
+    """The workers' tuner states of a tuner.json ({"tuners": [...]}, or one tuner's state alone)."""
+    from tlt.model.checkpoint import read_json
+
+    saved = read_json(path)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: not a tuner state (a JSON object expected)")
+    tuners = saved["tuners"] if "tuners" in saved else [saved]
+    if not isinstance(tuners, list):
+        raise CheckpointError(f"{path}: not a tuner state ('tuners' is not a list)")
+    return tuners
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:

@@ -64,8 +64,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             metrics.write(row)
             log(table_row(row))
             if c.save_every and (trainer.step % c.save_every == 0 or trainer.step == c.steps):
-                save_checkpoint(run_dir, trainer.step, trainer.policy, trainer.tokenizer, trainer.state_dict(),
-                                trainer.rollout_state(), drafter=trainer.drafter_snapshot(), keep=c.keep_checkpoints,
+                save_checkpoint(run_dir, trainer.step, trainer.policy, trainer.tokenizer, trainer.state(),
+                                trainer.tuner_states(), drafter=trainer.drafter_snapshot(), keep=c.keep_checkpoints,
                                 online_buffer=trainer.drafter_buffer())
             done += 1
     finally:

@@ -32,13 +32,16 @@ import torch
 from tlt.data import Example
 from tlt.device import resolve_device
 from tlt.errors import CheckpointError, ConfigError, TrainingError
+from tlt.rl.checkpoint import TrainerState
 from tlt.rl.config import TrainConfig
 from tlt.rl.distributed import Replicas
 from tlt.rl.episode import Episode, MicroBatch
 from tlt.rl.grpo import group_advantages, zero_variance_groups
 from tlt.rl.update import Diverged, Sample, build_optimizer, token_logprobs, update_policy, update_slices
+from tlt.rollout.stats import RolloutStats
 from tlt.speculative.history import HistoryStore
-from tlt.spot.rollout import make_rollout, rollout_layout  # noqa: F401 (rollout_layout: re-exported)
+from tlt.spot.rollout import RolloutReport, drafter_acceptance, make_rollout
+from tlt.spot.trainer import PhaseReport
 
 
 def stream_seed(*parts: object) -> int:
@@ -208,7 +211,7 @@ class GRPOTrainer:
         times: dict[str, float] = {}
         examples = self.examples_for_step(self.step)
         with _timer(times, "rollout"):
-            episodes, rollout_stats = self.rollout(examples, self.step)
+            episodes, report = self.rollout(examples, self.step)
         with _timer(times, "reward"):
             result = self.score(episodes)
         self._check_reward_failures(result)
@@ -227,8 +230,8 @@ class GRPOTrainer:
             self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
         with _timer(times, "drafter"):
             phase = self.rollout_backend.finish_step(self.step - 1)
-        metrics = self._metrics(episodes, rollout_stats, update, times, int(flat.sum()) // self.config.group_size)
-        return {**metrics, **self._drafter_metrics(rollout_stats, phase)}
+        metrics = self._metrics(episodes, report.stats, update, times, int(flat.sum()) // self.config.group_size)
+        return {**metrics, **self._drafter_metrics(report, phase)}
 
     def _check_reward_failures(self, result) -> None:
         """Stop the run when the reward failed on every row of `reward_failure_steps` consecutive steps:
@@ -242,26 +245,24 @@ class GRPOTrainer:
                 f"the reward {c.reward!r} failed on every row of {self.reward_failed_steps} consecutive steps "
                 f"(reward_failure_steps={c.reward_failure_steps}); the last failure: {result.failures[-1]}"))
 
-    def _drafter_metrics(self, stats: dict, phase: dict) -> dict:
+    def _drafter_metrics(self, report: RolloutReport, phase: PhaseReport | None) -> dict:
         """The drafter's side of a step: acceptance of the learned drafter's steps, the spot phase
         (DrafterLearning.metrics), the workers' time split and the history store's figures."""
-        from tlt.spot.workers import acceptance_by_strategy, drafter_acceptance, rows_by_strategy
-
-        learning = self.rollout_backend.learning
+        learning, stats = self.rollout_backend.learning, report.stats
         out = {"drafter_acceptance_length": drafter_acceptance(stats),
-               "acceptance_by_strategy": acceptance_by_strategy(stats), "rows_by_strategy": rows_by_strategy(stats)}
+               "acceptance_by_strategy": stats.acceptance_by_strategy(), "rows_by_strategy": stats.rows_by_strategy()}
         if learning is not None:
             out.update(learning.metrics(phase))
-        if "workers" in stats:
-            out["workers"] = stats["workers"]
-        if stats.get("draft_sources"):
-            out["draft_sources"] = stats["draft_sources"]
+        if report.pool is not None:
+            out["workers"] = report.pool.as_dict()
+        if stats.sources:
+            out["draft_sources"] = {k: list(v) for k, v in stats.sources.items()}
         if self.history is not None:
             out.update(self.history.stats())
         return out
 
     def rollout(self, examples: list[Example], step: int, greedy: bool = False, samples: int | None = None,
-                salt: str = "train") -> tuple[list[Episode], dict]:
+                salt: str = "train") -> tuple[list[Episode], RolloutReport]:
         from tlt.rollout import SamplingParams
 
         c = self.config
@@ -274,7 +275,7 @@ class GRPOTrainer:
         learn = salt == "train"
         history = self.history if learn else None
         drafts = {"history": history.drafts(prompts, self.step)} if history is not None else {}
-        outputs, stats = self.rollout_backend.generate(prompts, params, self.step, step, learn=learn, **drafts)
+        outputs, report = self.rollout_backend.generate(prompts, params, self.step, step, learn=learn, **drafts)
         if history is not None:
             for ids, out in zip(prompts, outputs):
                 history.add(ids, [comp.token_ids for comp in out.outputs], self.step)
@@ -283,7 +284,7 @@ class GRPOTrainer:
                     self.tokenizer.decode(comp.token_ids), acceptance_length=comp.acceptance_length)
             for j, (ex, out) in enumerate(zip(examples, outputs)) for comp in out.outputs
         ]
-        return episodes, stats
+        return episodes, report
 
     def score(self, episodes: list[Episode]) -> None:
         keys = sorted({k for e in episodes for k in e.example.columns})
@@ -377,15 +378,15 @@ class GRPOTrainer:
             "eval_time_s": time.perf_counter() - start,
         }
 
-    def _metrics(self, episodes: list[Episode], stats: dict, update: dict, times: dict, filtered: int) -> dict:
+    def _metrics(self, episodes: list[Episode], stats: RolloutStats, update: dict, times: dict, filtered: int) -> dict:
         lengths = np.array([len(e.completion_ids) for e in episodes])
         rewards = np.array([e.reward for e in episodes])
         tokens = int(lengths.sum())
-        batch_sizes = stats["batch_sizes"]
+        batch_sizes = stats.batch_sizes
         stride = max(1, math.ceil(len(batch_sizes) / 64))
         counts: dict[str, int] = {}
         by_batch: dict[str, dict[str, int]] = {}
-        for size, s in zip(batch_sizes, stats["strategies"]):
+        for size, s in zip(batch_sizes, stats.strategies):
             counts[s] = counts.get(s, 0) + 1
             by_batch.setdefault(str(size), {}).setdefault(s, 0)
             by_batch[str(size)][s] += 1
@@ -400,7 +401,7 @@ class GRPOTrainer:
             "truncated_fraction": float(np.mean([e.finish_reason == "length" for e in episodes])),
             "tokens": tokens,
             "tokens_per_s": tokens / max(times["rollout"], 1e-9),
-            "acceptance_length": stats["acceptance_length"],
+            "acceptance_length": stats.acceptance_length(),
             "strategies": counts,
             "strategy_by_batch": by_batch,
             "response_lengths": lengths.tolist(),
@@ -414,13 +415,13 @@ class GRPOTrainer:
         }
 
     # --- checkpoints -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state(self) -> TrainerState:
+        """The trainer's own state for a checkpoint."""
         learning = self.rollout_backend.learning
-        return {"step": self.step, "data_position": self.step * self.config.prompts_per_step,
-                "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(),
-                "drafter_schedule": learning.schedule.state_dict() if learning is not None else None,
-                "history": self.history.state_dict() if self.history is not None else None}
+        return TrainerState(self.step, self.step * self.config.prompts_per_step, self.optimizer.state_dict(),
+                            torch.get_rng_state(), random.getstate(),
+                            learning.schedule.state_dict() if learning is not None else None,
+                            self.history.state_dict() if self.history is not None else None)
 
     def restore(self, saved) -> None:
         """Continue from a checkpoint read by `tlt.rl.checkpoint.read_checkpoint`. What can still fail
@@ -440,31 +441,30 @@ class GRPOTrainer:
                 self.log(f"{saved.buffer}: the run is resumed without drafter training; its online buffer is not loaded")
             else:
                 learning.buffer.load(saved.buffer)
-        if saved.tuner is not None:
-            tuner = saved.tuner if "tuners" in saved.tuner else {"tuners": [saved.tuner]}
+        if saved.tuners is not None:
             try:
-                self.rollout_backend.load_state(tuner)
+                self.rollout_backend.load_tuner_states(saved.tuners)
             except (KeyError, TypeError, ValueError, IndexError) as exc:
                 raise CheckpointError(f"{saved.folder / 'tuner.json'}: not a tuner state ({type(exc).__name__}: "
                                       f"{exc})") from None
         self.policy.load_state_dict(saved.policy, strict=False)
         state = saved.state
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state.optimizer)
         if self.replicas is not None:  # rank 0's state is the one saved; the helpers take it
             self.replicas.sync(self.policy, self.optimizer)
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        if learning is not None and state.get("drafter_schedule") is not None:
-            learning.schedule.load_state_dict(state["drafter_schedule"])
-        if self.history is not None and state.get("history") is not None:
-            self.history.load_state_dict(state["history"])
+        torch.set_rng_state(state.torch_rng)
+        random.setstate(state.python_rng)
+        if learning is not None and state.drafter_schedule is not None:
+            learning.schedule.load_state_dict(state.drafter_schedule)
+        if self.history is not None and state.history is not None:
+            self.history.load_state_dict(state.history)
         if saved.drafter is not None:
             if learning is None:
                 self.log(f"{saved.folder / 'drafter'}: the run is resumed without drafter training; "
                          "its trained drafter is not loaded")
             else:
                 self.rollout_backend.restore_drafter(saved.drafter)
-        self.step = int(state["step"])
+        self.step = state.step
         self.rollout_backend.load_weights(self.policy.state_dict(), self.step)
 
     def drafter_snapshot(self):
@@ -477,9 +477,9 @@ class GRPOTrainer:
         learning = self.rollout_backend.learning
         return learning.buffer if learning is not None and self.config.drafter.buffer_checkpoint else None
 
-    def rollout_state(self) -> dict:
-        """The rollout side's state for a checkpoint: every worker's tuner."""
-        return self.rollout_backend.state()
+    def tuner_states(self) -> list[dict | None]:
+        """The rollout side's state for a checkpoint: every worker's tuner state (None: it has none)."""
+        return self.rollout_backend.tuner_states()
 
     def close(self) -> None:
         self.reward.close()

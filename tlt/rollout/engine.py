@@ -56,8 +56,8 @@ class RolloutEngine:
         self.eos_ids = frozenset(eos)
         self.weights_version = 0
         self.drafter_version = 0
-        # Called after every engine step (with the engine): where a worker injects a drill fault or
-        # checks its mailbox, without the engine knowing about workers.
+        # Called after every engine step (with the engine): where a worker takes a drafter offered
+        # mid-rollout, without the engine knowing about workers.
         self.step_callback = None
 
     def _log(self, message: str) -> None:
@@ -153,7 +153,13 @@ class RolloutEngine:
             for i, g in enumerate(groups)
         ]
 
+    @property
+    def rollout_stats(self) -> RolloutStats:
+        """What the rollouts since the last `reset_stats()` measured."""
+        return self._stats
+
     def stats(self) -> dict:
+        """`rollout_stats` as a dict (RolloutStats.as_dict), with the tuner's figures under "tuner"."""
         out = self._stats.as_dict()
         if self.tuner is not None:
             out["tuner"] = self.tuner.stats()

@@ -4,12 +4,12 @@ Counts add, per-step lists run in step order, and the wall time is the rollout's
 workers is one record again by `RolloutStats.merge`: counts add, per-step lists concatenate (worker after
 worker), the wall time is the slowest worker's. Rates (tokens per second, mean step time, acceptance
 length) are never stored, only derived, so a merged record cannot carry a stale one. The dict form
-(`as_dict`, read back by `from_dict`) is the record at the edges: JSON metrics, benchmark files and the
-messages between processes.
+(`as_dict`, read back by `from_dict`) is the record at the JSON edges: metrics and benchmark files.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -46,12 +46,26 @@ class RolloutStats:
             add_sources(out.sources, p.sources)
         return out
 
-    def acceptance_length(self) -> float | None:
-        """Tokens per row per speculative step (accepted drafts + 1), over all speculative steps."""
-        return acceptance_length(self.as_lists())
+    def acceptance_length(self, counted: Callable[[str], bool] = lambda strategy: strategy != "off") -> float | None:
+        """Tokens emitted per row per step (accepted drafts + 1) over the steps whose strategy `counted`
+        accepts (by default every speculative step); None when there is none."""
+        tokens = rows = 0
+        for t, b, s in zip(self.step_tokens, self.batch_sizes, self.strategies):
+            if counted(s):
+                tokens, rows = tokens + t, rows + b
+        return tokens / rows if rows else None
 
-    def as_lists(self) -> dict:
-        return {"step_tokens": self.step_tokens, "batch_sizes": self.batch_sizes, "strategies": self.strategies}
+    def rows_by_strategy(self) -> dict[str, int]:
+        """Row-steps (live rows x steps) each speculative strategy ran for."""
+        rows: dict[str, int] = {}
+        for b, s in zip(self.batch_sizes, self.strategies):
+            if s != "off":
+                rows[s] = rows.get(s, 0) + b
+        return dict(sorted(rows.items()))
+
+    def acceptance_by_strategy(self) -> dict[str, float]:
+        """Tokens per row per step of each speculative strategy that ran."""
+        return {s: self.acceptance_length(lambda x, s=s: x == s) for s in self.rows_by_strategy()}
 
     def as_dict(self) -> dict:
         n = max(len(self.step_times), 1)
@@ -85,12 +99,3 @@ def add_sources(total: dict[str, list[int]], counts: dict[str, list[int]]) -> No
         entry = total.setdefault(name, [0] * len(values))
         entry[:] = [a + b for a, b in zip(entry, values)]
 
-
-def acceptance_length(stats: dict, counted=lambda strategy: strategy != "off") -> float | None:
-    """Tokens emitted per row per step over the steps of `stats` (step_tokens, batch_sizes, strategies
-    lists) whose strategy `counted` accepts; None when there is none."""
-    tokens = rows = 0
-    for t, b, s in zip(stats.get("step_tokens", []), stats.get("batch_sizes", []), stats.get("strategies", [])):
-        if counted(s):
-            tokens, rows = tokens + t, rows + b
-    return tokens / rows if rows else None

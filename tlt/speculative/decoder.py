@@ -14,16 +14,13 @@ The drafter's own state follows the accepted tokens in `DraftState`: its KV cach
 (f[t], x[t+1]) it has consumed; pairs produced since (by prefill, verification or plain steps) wait in
 `pending` and are consumed by the next draft's first drafter forward. So a batch can switch from plain
 decoding to speculation at any step without re-running the target: the features were computed anyway.
-After a long run of plain steps a row has many pairs pending, and consuming them all made the first
-drafting step cost what their count did (a drafter forward over 450 pairs x 9 rows took 133 ms, 20 plain
-steps' worth): the adaptive tuner then judged the drafter arms by that one step and kept them off.
-`catch_up_window` bounds it: the drafter consumes the newest pairs of each row only and the older ones
-stay out of its cache, a gap in what its attention sees (positions stay exact; the target features it
-reads carry the whole context). Measured on the default model and drafter (off runs of 100 steps
-between 10 tree-d4-k4-v16 steps, 8 prompts x 8 samples): with every pair, acceptance 4.13 and 1.04 s in
-the tree steps; with windows of 16 / 8 / 4, acceptance 4.14 / 4.11 / 3.91 and 0.79 / 0.70 / 0.78 s. The
-default window is 16. Verification does not depend on the drafter, so the window changes speed only,
-never the output.
+After a long run of plain steps a row has many pairs pending, and consuming them all would make the
+first drafting step cost as much as many plain steps, and the adaptive tuner would judge the drafter
+arms by that one step. `catch_up_window` bounds it: the drafter consumes the newest pairs of each row
+only and the older ones stay out of its cache, a gap in what its attention sees (positions stay exact;
+the target features it reads carry the whole context), which costs hardly any acceptance at the default
+window of 16. Verification does not depend on the drafter, so the window changes speed only, never the
+output.
 Strategy "off" is plain decoding that still feeds `pending`, the arm the adaptive tuner can pick.
 
 The decoder implements rollout.decoding.Decoder. Its per-row state lives where the engine carries it

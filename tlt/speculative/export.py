@@ -60,7 +60,7 @@ def find_drafter(path: str | os.PathLike) -> Path:
     if (folder / "drafter" / "drafter_config.json").is_file():
         return folder / "drafter"
     if (folder / "drafter" / "latest.json").is_file():
-        from tlt.spot.trainer import latest_drafter_checkpoint
+        from tlt.spot.checkpoint import latest_drafter_checkpoint
 
         return latest_drafter_checkpoint(folder / "drafter")
     steps = [p for p in (folder / "checkpoints").glob("step_*/drafter") if p.is_dir() and p.parent.name[5:].isdigit()]

@@ -1,7 +1,7 @@
 """`SpotConfig`: the drafter a GRPO run speculates with and how it learns online (the `drafter.*` keys).
 
 `model` picks the drafter; the rest is its online ("spot") training on released rollout workers: when a
-phase runs (`Schedule`, spot/trainer.py), the drafter's optimisation, the online buffer it trains on
+phase runs (`Schedule`, spot/schedule.py), the drafter's optimisation, the online buffer it trains on
 (spot/buffer.py) and how new weights reach the workers. The phase's seed is the run's, not a field here.
 """
 

@@ -19,6 +19,7 @@ The timeline (worker, state, time) is kept for the metrics: idle and training se
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from enum import Enum
 
 from tlt.errors import TrainingError
@@ -39,6 +40,16 @@ ALLOWED = {
     WorkerState.TRAINING: {WorkerState.DONE},
     WorkerState.DONE: {WorkerState.GENERATING},
 }
+
+
+@dataclass
+class WorkerTimes:
+    """Per worker, over one rollout: seconds generating, training and idle, and restarts so far."""
+
+    generating_s: list[float]
+    training_s: list[float]
+    idle_s: list[float]
+    restarts: list[int]
 
 
 class Coordinator:
@@ -99,11 +110,11 @@ class Coordinator:
             raise TrainingError("no worker is training")
         self._move(self.trainer, WorkerState.DONE)
 
-    def summary(self) -> dict:
+    def summary(self) -> WorkerTimes:
         """Seconds each worker spent generating and training in this rollout, and its idle seconds
         (released or done while the rollout was still running)."""
         end = self.rollout_ended if self.rollout_ended is not None else self.clock()
-        out = {"generating_s": [], "training_s": [], "idle_s": [], "restarts": list(self.restarts)}
+        out = WorkerTimes([], [], [], list(self.restarts))
         for w in range(len(self.states)):
             events = [(s, t) for v, s, t in self.timeline if v == w] + [(None, end)]
             spent = {WorkerState.GENERATING: 0.0, WorkerState.TRAINING: 0.0}
@@ -114,7 +125,7 @@ class Coordinator:
                     spent[state] += max(t1 - t0, 0.0)
                 elif state is not None:
                     idle += max(t1 - t0, 0.0)
-            out["generating_s"].append(spent[WorkerState.GENERATING])
-            out["training_s"].append(spent[WorkerState.TRAINING])
-            out["idle_s"].append(idle)
+            out.generating_s.append(spent[WorkerState.GENERATING])
+            out.training_s.append(spent[WorkerState.TRAINING])
+            out.idle_s.append(idle)
         return out

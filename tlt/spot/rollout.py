@@ -17,20 +17,62 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from tlt.errors import ConfigError
+from tlt.rollout.stats import RolloutStats
 from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
-from tlt.spot.coordinator import Coordinator
+from tlt.spot.coordinator import Coordinator, WorkerTimes
 from tlt.spot.config import SpotConfig
-from tlt.spot.trainer import DrafterCheckpointer, Schedule, run_phase
-from tlt.spot.workers import LengthPredictor, assign, drafter_acceptance, merge_stats
+from tlt.spot.checkpoint import DrafterCheckpointer
+from tlt.spot.schedule import Schedule
+from tlt.spot.trainer import PhaseReport, run_phase
+from tlt.spot.shares import LengthPredictor, assign
+from tlt.spot.workers import ShareStats
 
 if TYPE_CHECKING:
     from tlt.rl.config import TrainConfig
 
 STOP_TIMEOUT_S = 120.0  # a stopped spot trainer returns within part of one optimizer step; this only catches a hang
+
+
+@dataclass
+class PoolReport:
+    """The workers' side of a rollout on a pool: their time split (Coordinator), the prompts of each
+    share, the drafter version every worker started from, the drafters swapped in mid-rollout, and
+    whether drafter training was due (None: the drafter does not learn)."""
+
+    times: WorkerTimes
+    shares: list[int]
+    drafter_version: int
+    drafter_swaps: int
+    training_due: bool | None = None
+
+    def as_dict(self) -> dict:
+        """The metrics' "workers" entry: the time split's fields and this record's, flat."""
+        out = {**asdict(self.times), **{k: v for k, v in asdict(self).items() if k != "times"}}
+        if self.training_due is None:
+            del out["training_due"]
+        return out
+
+
+@dataclass
+class RolloutReport:
+    """What one rollout measured: the engines' stats (merged over a pool's workers) and, on a pool, the
+    workers' side."""
+
+    stats: RolloutStats
+    pool: PoolReport | None = None
+
+
+def drafter_acceptance(stats: RolloutStats) -> float | None:
+    """Tokens per row per step over the steps whose strategy used the learned drafter (chain, tree)."""
+    from tlt.speculative.strategy import Strategy
+
+    learned = {s for s in set(stats.strategies) if Strategy.parse(s).uses_drafter}
+    return stats.acceptance_length(learned.__contains__)
 
 
 class DrafterLearning:
@@ -44,7 +86,6 @@ class DrafterLearning:
         self.schedule = Schedule(config)
         self.state: dict | None = None  # SpotTrainer.state_dict() of the newest phase
         self.checkpointer = DrafterCheckpointer(checkpoint_root) if checkpoint_root is not None else None
-        self.phases: list[dict] = []
 
     @property
     def version(self) -> int:
@@ -75,27 +116,26 @@ class DrafterLearning:
         entries = self.buffer.entries
         return [e.record for e in entries], self.buffer.sample(entries)
 
-    def accept(self, state: dict, report: dict, step: int) -> None:
+    def accept(self, state: dict, report: PhaseReport, step: int) -> None:
         """Take a finished phase's trainer state (when it stepped) and checkpoint it in the background."""
-        report = {**report, "rl_step": step}
-        self.phases.append(report)
-        if report["steps"] == 0:
+        if report.steps == 0:
             return
         self.state = state
         if self.checkpointer is not None:
             self.checkpointer.save_async(state, self.drafter_config, {"rl_step": step})
 
-    def metrics(self, phase: dict) -> dict:
+    def metrics(self, phase: PhaseReport | None) -> dict:
         """The step's drafter figures: version, the spot phase (optimizer steps, seconds, preemption
-        latency, loss) and the buffer's size."""
-        return {"drafter_version": self.version, "drafter_phase_steps": phase.get("steps", 0),
-                "drafter_phase_s": phase.get("seconds", 0.0), "drafter_stop_latency_s": phase.get("stop_latency_s"),
-                "drafter_top1": phase.get("loss_top1"), "drafter_buffer_pairs": self.buffer.pairs,
+        latency, loss; None: no phase ran) and the buffer's size."""
+        phase = phase or PhaseReport()
+        return {"drafter_version": self.version, "drafter_phase_steps": phase.steps,
+                "drafter_phase_s": phase.seconds, "drafter_stop_latency_s": phase.stop_latency_s,
+                "drafter_top1": phase.losses.get("top1"), "drafter_buffer_pairs": self.buffer.pairs,
                 "drafter_buffer_bytes": self.buffer.nbytes}
 
     def snapshot(self, step: int):
         """The newest trainer state as something a run checkpoint can save (None: no phase stepped yet)."""
-        from tlt.spot.trainer import StateSnapshot
+        from tlt.spot.checkpoint import StateSnapshot
 
         return StateSnapshot(self.state, self.drafter_config, {"rl_step": step}) if self.state is not None else None
 
@@ -118,12 +158,12 @@ class RolloutBackend(Protocol):
         ...
 
     def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True,
-                 history=None) -> tuple[list, dict]:
-        """The outputs of `prompts` (in order) and the rollout's stats dict."""
+                 history=None) -> tuple[list, RolloutReport]:
+        """The outputs of `prompts` (in order) and what the rollout measured."""
         ...
 
-    def finish_step(self, step: int) -> dict:
-        """After the update: the step's drafter phase report ({} when none ran)."""
+    def finish_step(self, step: int) -> PhaseReport | None:
+        """After the update: the step's drafter phase report (None when none ran)."""
         ...
 
     def restore_drafter(self, state: dict) -> None:
@@ -131,11 +171,11 @@ class RolloutBackend(Protocol):
         drafter the engines' (in-process at once, on a pool at the next rollout)."""
         ...
 
-    def state(self) -> dict:
-        """The rollout side's checkpoint state: {"tuners": one tuner state (or None) per worker}."""
+    def tuner_states(self) -> list[dict | None]:
+        """The rollout side's checkpoint state: one tuner state (or None) per worker."""
         ...
 
-    def load_state(self, state: dict) -> None:
+    def load_tuner_states(self, states: list[dict | None]) -> None:
         ...
 
     def close(self) -> None:
@@ -145,8 +185,6 @@ class RolloutBackend(Protocol):
 def wants_hidden(params: Sequence, learning: DrafterLearning | None) -> list:
     if learning is None:
         return list(params)
-    from dataclasses import replace
-
     return [replace(p, return_hidden_states=True) for p in params]
 
 
@@ -170,36 +208,34 @@ class LocalRollout:
         self.engine.reset_stats()
         outputs = self.engine.generate(prompts, wants_hidden(params, learning), weights_version=weights_version,
                                        history=history)
-        stats = self.engine.stats()
+        stats = self.engine.rollout_stats
         if learning is not None:
             learning.add(outputs, weights_version)
             learning.schedule.observe(drafter_acceptance(stats))
             self._due = learning.due(step)
-        return outputs, stats
+        return outputs, RolloutReport(stats)
 
-    def finish_step(self, step: int) -> dict:
-        """Train in place when due (on the critical path: there is no idle worker). Returns drafter metrics."""
+    def finish_step(self, step: int) -> PhaseReport | None:
+        """Train in place when due (on the critical path: there is no idle worker). Returns the phase report."""
         due, self._due = self._due, False
         if self.learning is None or not due or self.local_steps == 0:
-            return {}  # local_steps=0: no training on the critical path at all
-        from dataclasses import replace
-
+            return None  # local_steps=0: no training on the critical path at all
         learning = self.learning
         config = replace(learning.config, max_steps=self.local_steps)
         records, weights = learning.payload()
         state, report = run_phase(self.engine.drafter, learning.state, records, weights, config, learning.seed + step)
-        learning.accept(state, {**report, "worker": 0}, step)
-        if report["steps"]:  # the weights are in place already; this records the version and tells the tuner
+        report.worker = 0
+        learning.accept(state, report, step)
+        if report.steps:  # the weights are in place already; this records the version and tells the tuner
             self.engine.load_drafter(learning.state["drafter"], learning.version)
         return report
 
-    def state(self) -> dict:
-        return {"tuners": [self.engine.tuner.state_dict() if self.engine.tuner is not None else None]}
+    def tuner_states(self) -> list[dict | None]:
+        return [self.engine.tuner.state_dict() if self.engine.tuner is not None else None]
 
-    def load_state(self, state: dict) -> None:
-        tuners = state.get("tuners") or [None]
-        if tuners[0] is not None and self.engine.tuner is not None:
-            self.engine.tuner.load_state_dict(tuners[0])
+    def load_tuner_states(self, states: list[dict | None]) -> None:
+        if states and states[0] is not None and self.engine.tuner is not None:
+            self.engine.tuner.load_state_dict(states[0])
 
     def close(self) -> None:
         if self.learning is not None:
@@ -227,7 +263,7 @@ class PooledRollout:
         self.learning.state = state  # every worker takes it at the start of the next rollout
 
     def generate(self, prompts, params, weights_version: int, step: int, learn: bool = True, history=None):
-        """The step's outputs (in prompt order) and merged stats; with `learn`, released workers train.
+        """The step's outputs (in prompt order) and their report; with `learn`, released workers train.
         Each worker gets the `history` (HistoryDrafts) of its share."""
         ray = self.pool.ray
         from ray.exceptions import RayActorError
@@ -285,19 +321,18 @@ class PooledRollout:
                 ordered[i] = out
         for q, out in zip(prompts, ordered):
             self.predictor.observe(q, [len(c.token_ids) for c in out.outputs])
-        stats = merge_stats([r[1] for r in results])
-        stats["workers"] = {**coord.summary(), "shares": [len(s) for s in shares],
-                            "drafter_version": self._drafter_version, "drafter_swaps": stats.get("drafter_swaps", 0)}
+        merged = ShareStats.merge([r[1] for r in results])
+        pool = PoolReport(coord.summary(), [len(s) for s in shares], self._drafter_version, merged.drafter_swaps,
+                          due if learning is not None else None)
         if learning is not None:
-            learning.schedule.observe(drafter_acceptance(stats))
-            stats["workers"]["training_due"] = due
-        return ordered, stats
+            learning.schedule.observe(drafter_acceptance(merged.rollout))
+        return ordered, RolloutReport(merged.rollout, pool)
 
-    def finish_step(self, step: int) -> dict:
+    def finish_step(self, step: int) -> PhaseReport | None:
         """Collect the spot phase of this step's rollout (it stopped when rollout ended) and push the new
-        drafter to every worker. Returns the phase report ({} when no phase ran)."""
+        drafter to every worker. Returns the phase report (None when no phase ran)."""
         if self._training is None:
-            return {}
+            return None
         from ray.exceptions import RayActorError
 
         from ray.exceptions import GetTimeoutError
@@ -313,19 +348,18 @@ class PooledRollout:
                      "collected state, and the worker is replaced")
             self.pool.ray.kill(self.pool.actors[w])
             self.pool.restart(w)
-            return {"steps": 0, "worker": w, "lost": True}
-        report["worker"] = w
+            return PhaseReport(worker=w, lost=True)
+        report.worker = w
         self.learning.accept(state, report, step)
         if self.learning.version != self._drafter_version:
             self.pool.load_drafter(self.learning.state["drafter"], self.learning.version)
             self._drafter_version = self.learning.version
         return report
 
-    def state(self) -> dict:
-        return {"tuners": self.pool.collect_tuners()}
+    def tuner_states(self) -> list[dict | None]:
+        return self.pool.collect_tuners()
 
-    def load_state(self, state: dict) -> None:
-        tuners = state.get("tuners")
+    def load_tuner_states(self, tuners: list[dict | None]) -> None:
         if tuners and len(tuners) == self.workers:
             self.pool.load_tuners(tuners)
         elif tuners:
@@ -369,9 +403,9 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     gpus = torch.cuda.device_count() if device.type == "cuda" and c.ray_address is None else 0
     workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
-    engine_fields = dict(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
-                         strategy=c.strategy, tuner=c.tuner if c.speculative == "adaptive" else None,
-                         catch_up_window=c.drafter.catch_up_window or None)
+    engine = EngineConfig(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
+                          strategy=c.strategy, tuner=c.tuner if c.speculative == "adaptive" else None,
+                          catch_up_window=c.drafter.catch_up_window or None, drafter=drafter)
     learning = None
     if drafter is not None and c.drafter.train != "off":
         from tlt.config import import_callable
@@ -389,13 +423,13 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
             from tlt.speculative.drafter import Drafter
 
             drafter = Drafter.from_target(model, seed=c.seed).eval()
-        engine = RolloutEngine(model, tokenizer, EngineConfig(**engine_fields, progress=c.progress, drafter=drafter))
-        return LocalRollout(engine, learning, c.drafter.local_steps)
+        return LocalRollout(RolloutEngine(model, tokenizer, replace(engine, progress=c.progress, drafter=drafter)),
+                            learning, c.drafter.local_steps)
     from tlt.spot.workers import RayPool, WorkerSpec
 
     threads = c.worker_threads or max(1, (c.threads or cores) // workers)
-    specs = [WorkerSpec(c.model, {**engine_fields, "seed": c.seed + w}, drafter, threads, dtype=c.rollout_dtype,
-                        seed=c.seed) for w in range(workers)]
+    specs = [WorkerSpec(c.model, replace(engine, seed=c.seed + w), threads, dtype=c.rollout_dtype, seed=c.seed)
+             for w in range(workers)]
     # On a cluster each worker reserves a CPU so Ray spreads them over machines; on the local cluster
     # threads are set here, and reserving none lets several pools (a benchmark's runs) coexist.
     pool = RayPool(specs, c.ray_address, cpus_per_worker=1 if c.ray_address else 0,

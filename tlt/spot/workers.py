@@ -7,9 +7,7 @@ seed (counter-based sampling), so where a group runs changes nothing it returns.
 
 One rollout on the pool:
   1. shares: whole groups (a prompt's n samples share one prefill) are spread over the workers by
-     predicted cost, largest first onto the least-loaded worker (`assign`); the cost of a group is n x
-     its predicted response length (`LengthPredictor`: the prompt's own last mean length when it was
-     seen before, else a least-squares line on prompt length over what was seen, else 1);
+     predicted cost (shares.py);
   2. every worker generates its share; results arrive as workers finish;
   3. a finished worker is released (coordinator.py). The responses' target features go into the online
      buffer; if drafter training is due and others still generate, the released worker becomes the
@@ -34,51 +32,65 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from tlt.errors import ConfigError
-from tlt.rollout.stats import RolloutStats, acceptance_length
+from tlt.rollout.config import EngineConfig
+from tlt.rollout.stats import RolloutStats
 from tlt.spot.cluster import start_ray
+
+if TYPE_CHECKING:
+    from tlt.spot.trainer import PhaseReport
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker builds: `model` (folder or built-in name), `engine` (EngineConfig fields other than
-    the drafter), `drafter` (a folder, "default", "random": a fresh one, or None), torch `threads`,
-    `device` ("cpu", "cuda" or None: cuda when the worker sees one), the weights' `dtype` (None:
-    float32). `step_hook` (None, or a picklable callable) runs with (worker, engine) after every engine
-    step of a rollout, before a drafter offer is taken: the seam a test drills a crash through.
-    `incarnation` counts the restarts that led to this worker."""
+    """What a worker builds: `model` (folder or built-in name), `engine` (its config, without a progress
+    bar; its drafter a folder, "default", "random": a fresh one seeded by `seed`, or None), torch
+    `threads`, `device` ("cpu", "cuda" or None: cuda when the worker sees one), the weights' `dtype`
+    (None: float32)."""
 
     model: str
-    engine: dict = field(default_factory=dict)
-    drafter: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
     threads: int = 1
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
-    step_hook: Callable | None = None
-    incarnation: int = 0
+
+
+@dataclass
+class ShareStats:
+    """What a worker measured generating its share of a rollout: its engine's stats and the drafters
+    it swapped in mid-rollout."""
+
+    rollout: RolloutStats
+    drafter_swaps: int = 0
+
+    @classmethod
+    def merge(cls, parts: Sequence["ShareStats"]) -> "ShareStats":
+        """One record for a rollout spread over workers: RolloutStats.merge (counts add, per-step lists
+        concatenate worker after worker, wall time is the slowest worker's), the swaps summed."""
+        return cls(RolloutStats.merge([p.rollout for p in parts]), sum(p.drafter_swaps for p in parts))
 
 
 class RolloutWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         from tlt.model import load_model
-        from tlt.rollout import EngineConfig, RolloutEngine
+        from tlt.rollout import RolloutEngine
 
         self.spec = spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
         device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_model(spec.model, dtype=spec.dtype, device=device)
-        drafter = spec.drafter
+        drafter = spec.engine.drafter
         if drafter == "random":
             from tlt.speculative.drafter import Drafter
 
             drafter = Drafter.from_target(model, seed=spec.seed).eval()
-        self.engine = RolloutEngine(model, None, EngineConfig(**{**spec.engine, "drafter": drafter, "progress": False}))
-        self.rollouts = 0
+        self.engine = RolloutEngine(model, None, replace(spec.engine, drafter=drafter, progress=False))
         # Phases are numbered by the driver, and a stop names its phase: a stop that overtakes its
         # phase's start (the phase still unpacking its records) still stops it, and cannot stop a later one.
         self._stopped_phase = -1
@@ -107,11 +119,10 @@ class RolloutWorker:
             self.engine.tuner.load_state_dict(state)
 
     def generate(self, prompts: list[list[int]], params: list, weights_version: int,
-                 history=None) -> tuple[list, dict]:
-        """(RequestOutputs, engine stats) of one share, drafting from `history` (HistoryDrafts of the share)
-        too; hidden states come back as ordinary tensors.
+                 history=None) -> tuple[list, ShareStats]:
+        """(RequestOutputs, what the share measured) of one share, drafting from `history` (HistoryDrafts
+        of the share) too; hidden states come back as ordinary tensors.
         Between engine steps a drafter offered by the spot trainer (`offer_drafter`) is swapped in."""
-        self.rollouts += 1
         self._swaps = 0
         self.engine.step_callback = self._between_steps
         try:
@@ -126,11 +137,9 @@ class RolloutWorker:
                     c.hidden_states = c.hidden_states.clone().cpu()  # out of inference mode, off the device
                 if c.layer_states is not None:
                     c.layer_states = c.layer_states.clone().cpu()
-        return outputs, {**self.engine.stats(), "drafter_swaps": self._swaps}
+        return outputs, ShareStats(self.engine.rollout_stats, self._swaps)
 
     def _between_steps(self, engine) -> None:
-        if self.spec.step_hook is not None:
-            self.spec.step_hook(self, engine)
         offer, self._offer = self._offer, None
         if offer is not None:
             engine.load_drafter(*offer)
@@ -143,7 +152,7 @@ class RolloutWorker:
 
     # --- spot training -------------------------------------------------------------------------------
     def train(self, phase: int, state: dict | None, records: list, weights: list[float], config,
-              seed: int, peers: Sequence = (), swap_every: int = 0) -> tuple[dict, dict]:
+              seed: int, peers: Sequence = (), swap_every: int = 0) -> tuple[dict, PhaseReport]:
         """Train the engine's drafter on `records` until `stop_training(phase)` (or the config's
         max_steps); returns (trainer state, phase report). The engine's drafter keeps the trained weights.
         With `swap_every` > 0 the drafter is offered to `peers` (the workers still in the tail, as Ray
@@ -169,7 +178,7 @@ class RolloutWorker:
         state, report = run_phase(drafter, state, records, weights, config, seed,
                                   lambda: self._stopped_phase >= phase, lambda: self._stop_at.get(phase),
                                   after_step if swap_every and peers else None)
-        return state, {**report, "offers": offered}
+        return state, replace(report, offers=offered)
 
     def stop_training(self, phase: int) -> None:
         with self._lock:
@@ -177,78 +186,10 @@ class RolloutWorker:
             self._stopped_phase = max(self._stopped_phase, phase)
 
 
-# --- shares ----------------------------------------------------------------------------------------
-class LengthPredictor:
-    """Predicted response length of a prompt (see the module docstring); `observe` after each rollout."""
-
-    def __init__(self) -> None:
-        self.by_prompt: dict[tuple[int, ...], float] = {}
-        self.points: list[tuple[int, float]] = []  # (prompt length, mean response length), recent ones
-
-    def observe(self, prompt: Sequence[int], lengths: Sequence[int]) -> None:
-        mean = sum(lengths) / max(len(lengths), 1)
-        self.by_prompt[tuple(prompt)] = mean
-        self.points = (self.points + [(len(prompt), mean)])[-4096:]
-
-    def predict(self, prompt: Sequence[int]) -> float:
-        seen = self.by_prompt.get(tuple(prompt))
-        if seen is not None:
-            return max(seen, 1.0)
-        if len(self.points) < 8:
-            return 1.0
-        xs, ys = [p[0] for p in self.points], [p[1] for p in self.points]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-        return max(my + slope * (len(prompt) - mx), 1.0)
-
-
-def assign(costs: Sequence[float], workers: int) -> list[list[int]]:
-    """Indices of `costs` per worker: largest first onto the least-loaded worker (ties: lowest index)."""
-    shares: list[list[int]] = [[] for _ in range(workers)]
-    load = [0.0] * workers
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        w = min(range(workers), key=lambda w: (load[w], w))
-        shares[w].append(i)
-        load[w] += costs[i]
-    return [sorted(s) for s in shares]
-
-
-def merge_stats(parts: Sequence[dict]) -> dict:
-    """One engine-stats dict for a rollout spread over workers, from the workers' stats dicts
-    (RolloutStats.merge: counts add, per-step lists concatenate worker after worker, wall time is the
-    slowest worker's) and their drafter swaps summed."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return {}
-    merged = RolloutStats.merge([RolloutStats.from_dict(p) for p in parts])
-    return {**merged.as_dict(), "drafter_swaps": sum(p.get("drafter_swaps", 0) for p in parts)}
-
-
-def rows_by_strategy(stats: dict) -> dict[str, int]:
-    """Row-steps (live rows x steps) each speculative strategy ran for."""
-    rows: dict[str, int] = {}
-    for b, s in zip(stats.get("batch_sizes", []), stats.get("strategies", [])):
-        if s != "off":
-            rows[s] = rows.get(s, 0) + b
-    return dict(sorted(rows.items()))
-
-
-def acceptance_by_strategy(stats: dict) -> dict[str, float]:
-    """Tokens per row per step of each speculative strategy that ran (accepted drafts + 1)."""
-    return {s: acceptance_length(stats, lambda x, s=s: x == s) for s in rows_by_strategy(stats)}
-
-
-def drafter_acceptance(stats: dict) -> float | None:
-    """Tokens per row per step over the steps whose strategy used the learned drafter (chain, tree)."""
-    from tlt.speculative.strategy import Strategy
-
-    learned = {s for s in set(stats.get("strategies", [])) if s != "off" and Strategy.parse(s).uses_drafter}
-    return acceptance_length(stats, learned.__contains__)
-
-
 # --- the Ray pool ----------------------------------------------------------------------------------
 class RayPool:
+    worker = RolloutWorker  # the class each actor runs
+
     def __init__(self, specs: Sequence[WorkerSpec], address: str | None = None, cpus_per_worker: float = 1,
                  gpus_per_worker: float = 0, log: Callable[[str], None] = print) -> None:
         import ray
@@ -257,7 +198,7 @@ class RayPool:
         self.ray, self.log = ray, log
         self.specs = list(specs)
         self._actor_class = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0,
-                                       concurrency_groups={"control": 1})(RolloutWorker)
+                                       concurrency_groups={"control": 1})(self.worker)
         self.actors = [self._spawn(s) for s in self.specs]
         ray.get([a.ping.remote() for a in self.actors])
         self.policy: tuple[object, int] | None = None  # (object ref of the state, version)
@@ -273,7 +214,6 @@ class RayPool:
 
     def restart(self, w: int):
         """Replace worker w with a fresh actor at the current policy, drafter and tuner state."""
-        self.specs[w] = replace(self.specs[w], incarnation=self.specs[w].incarnation + 1)
         actor = self._spawn(self.specs[w])
         calls = []
         if self.policy is not None:
