@@ -254,7 +254,8 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, masked, cache_dt
 @needs_kernels
 def test_attention_over_a_bf16_cache_equals_a_float32_cache_of_the_same_values():
     gen = torch.Generator().manual_seed(22)
-    keys, values = torch.randn(2, 2, 40, 48, generator=gen).bfloat16(), torch.randn(2, 2, 40, 48, generator=gen).bfloat16()
+    keys = torch.randn(2, 2, 40, 48, generator=gen).bfloat16()
+    values = torch.randn(2, 2, 40, 48, generator=gen).bfloat16()
     q = torch.randn(2, 4, 3, 48, generator=gen).bfloat16()
     mask = torch.where(torch.rand(2, 1, 3, 40, generator=gen) < 0.8, 0.0, float("-inf"))
     mask[..., 0] = 0.0

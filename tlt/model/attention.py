@@ -11,8 +11,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     h // (H / H_kv)), with the additive `mask` [B, 1, T, S], or causal over the last T keys when None.
     Keys and values cached in another dtype than q (float32 for a bf16 model on the CPU, see
     tlt/model/kv_cache.py) take q to theirs and the result back; a bf16 cache on the CPU with its
-    float32 mask runs in float32 like a float32 cache (both hold the same values). One new float32 token per row in a CPU
-    batch of 8 or more (a decode step) takes two batched matmuls and a softmax: CPU
+    float32 mask runs in float32 like a float32 cache (both hold the same values). One new float32
+    token per row in a CPU batch of 8 or more (a decode step) takes two batched matmuls and a softmax: CPU
     scaled_dot_product_attention runs them 2-3x slower there (8 rows x 300 keys: 384 us against 194;
     64 rows: 5.1 ms against 1.8, per layer, 2 threads). Everything else goes to
     scaled_dot_product_attention."""
