@@ -261,3 +261,24 @@ def test_attention_over_a_bf16_cache_equals_a_float32_cache_of_the_same_values()
     mask[..., 0] = 0.0
     for m in (None, mask):
         assert torch.equal(kernels.attention(q, keys, values, m), kernels.attention(q, keys.float(), values.float(), m))
+
+
+@needs_kernels
+def test_a_built_library_loads_past_a_stale_build_lock(tmp_path):
+    """A process killed while `cpp_extension.load` held its build folder's lock leaves the lock file
+    behind; the library already built there still loads, without waiting on the lock."""
+    import shutil
+
+    name = kernels.__name__
+    folder = tmp_path / name
+    folder.mkdir()
+    shutil.copy(kernels.__file__, folder / f"{name}.so")
+    (folder / "lock").touch()
+    code = (
+        "import torch.utils.cpp_extension as c\n"
+        f"c._get_build_directory = lambda name, verbose: {str(folder)!r}\n"
+        "from tlt.model import cpu_kernels\n"
+        "module = cpu_kernels.kernels()\n"
+        f"assert module is not None and module.__file__.startswith({str(folder)!r}), module\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=os.getcwd())

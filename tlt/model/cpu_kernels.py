@@ -55,9 +55,12 @@ def _load():
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    name = f"tlt_cpu_bf16_{digest}"
+    module = _built(cpp_extension, name)
     try:
-        module = cpp_extension.load(name=f"tlt_cpu_bf16_{digest}", sources=[str(SOURCE)],
-                                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        if module is None:
+            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: the reason is reported
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
@@ -68,6 +71,21 @@ def _load():
         return None
     _module = module
     return module
+
+
+def _built(cpp_extension, name: str):
+    """The extension already built for this source (its name carries the source's hash), imported
+    without `cpp_extension.load`: load takes a lock file in the build folder even when nothing is to be
+    built, and a process killed while holding it (or paused by a job scheduler) would leave every later
+    process waiting on it. None when there is no built library or it does not import (load rebuilds)."""
+    try:
+        folder = cpp_extension._get_build_directory(name, False)
+        library = Path(folder) / f"{name}.so"
+        if not library.is_file():
+            return None
+        return cpp_extension._import_module_from_library(name, folder, True)
+    except Exception:  # a partial library, a changed private API: the regular load decides
+        return None
 
 
 def kernels():
