@@ -222,15 +222,6 @@ TARGET void attend_rows(const float* q, int64_t R, const KV* k, int64_t ks, cons
   }
 }
 
-// S rows of D bf16 elements (row stride `stride`) -> float32 rows of D, contiguous.
-TARGET void widen_rows(const uint16_t* src, int64_t stride, int64_t S, int64_t D, float* dst) {
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t d = 0; d < D; d += 16) {
-      __mmask16 m = tail_mask(D - d);
-      _mm512_mask_storeu_ps(dst + s * D + d, m, load_bf16(m, src + s * stride + d));
-    }
-}
-
 template <typename KV>
 using Attend = void (*)(const float*, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
                         const int64_t*, int64_t, float, float*, uint16_t* const*);
@@ -366,7 +357,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     std::vector<const float*> masks(R);
     std::vector<int64_t> visible(R);
     std::vector<uint16_t*> outs(R);
-    std::vector<float> kf, vf;  // a bf16 head's keys and values widened to float32
     for (int64_t i = i0; i < i1; ++i) {
       int64_t b = i / Hkv, j = i % Hkv;
       for (int64_t r = 0; r < R; ++r) {
@@ -382,15 +372,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       }
       const char* kh = kp + (b * k.stride(0) + j * k.stride(1)) * item;
       const char* vh = vp + (b * v.stride(0) + j * v.stride(1)) * item;
-      if (half && R > 4) {
-        // Many queries per kv head (a verification): each key and value would be widened once per query
-        // (values once per four); widening the head's keys and values once is cheaper.
-        kf.resize(S * D), vf.resize(S * D);
-        widen_rows(reinterpret_cast<const uint16_t*>(kh), k.stride(2), S, D, kf.data());
-        widen_rows(reinterpret_cast<const uint16_t*>(vh), v.stride(2), S, D, vf.data());
-        ATTEND<float>[(D + 15) / 16](qf.data(), R, kf.data(), D, vf.data(), D, masks.data(), visible.data(), D, scale,
-                                     scores.data(), outs.data());
-      } else if (half)
+      if (half)
         ATTEND<uint16_t>[(D + 15) / 16](qf.data(), R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                         reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
                                         visible.data(), D, scale, scores.data(), outs.data());
