@@ -38,6 +38,6 @@ timeout 120 $PY -m tlt.cli bench rollout --device cuda --repeats 3 --adaptive --
 
 step "GRPO end to end, off vs tlt, in-process engine on the GPU"
 timeout 150 $PY -m tlt.cli bench e2e --steps 6 --workers 1 --json "$OUT/e2e.json" --out "$OUT/e2e" \
-    device=cuda eval_every=6 eval_problems=32 save_every=0 2>&1 | tail -20 | tee "$OUT/e2e.log" || status=1
+    device=cuda eval.every=6 eval.problems=32 save_every=0 2>&1 | tail -20 | tee "$OUT/e2e.log" || status=1
 rm -rf "$OUT/e2e"
 exit $status

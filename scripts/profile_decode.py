@@ -28,9 +28,10 @@ from pathlib import Path
 def workload(strategy: str, prompts: int, threads: int, batch: int, samples: int) -> None:
     import torch
 
+    from tlt.bench import engine_config
     from tlt.model import load_model
     from tlt.model.checkpoint import resolve_model_path
-    from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from tlt.rollout import RolloutEngine, SamplingParams
     from tlt.speculative import Drafter
     from tlt.tasks import ArithmeticTask
     from tlt.tokenizer import load_tokenizer
@@ -39,7 +40,7 @@ def workload(strategy: str, prompts: int, threads: int, batch: int, samples: int
     folder = resolve_model_path("default")
     model, tokenizer = load_model(folder), load_tokenizer(folder)
     drafter = None if strategy == "off" else Drafter.load("default", model)
-    engine = RolloutEngine(model, config=EngineConfig.named(strategy, drafter, progress=False))
+    engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False))
     ids = [tokenizer.encode(p.prompt) for p in ArithmeticTask().sample(prompts, seed=0, split="eval")]
     with torch.inference_mode():
         for start in range(0, len(ids), batch):

@@ -25,6 +25,6 @@ def tiny_config(model_dir, **overrides) -> TrainConfig:
     """`overrides` are TrainConfig fields, a group's as a dict of its keys: drafter={"train": "every"}."""
     fields = {"model": str(model_dir), "drafter.model": None, "speculative": "off", "workers": 1,
               "reward": "reward_fixtures:digit_fraction", "train_problems": 64, "prompts_per_step": 4, "group_size": 4,
-              "max_response_tokens": 12, "eval_problems": 4, "eval_samples": 2, "eval_every": 0, "save_every": 0,
+              "max_response_tokens": 12, "eval.problems": 4, "eval.samples": 2, "eval.every": 0, "save_every": 0,
               "optim.lr": 1e-2, "steps": 3}
     return override(TrainConfig(), {**fields, **flatten(overrides)})

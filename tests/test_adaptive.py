@@ -171,15 +171,3 @@ def test_default_arms_draw_plain_decodings_very_samples(warp):
         engine = adaptive_engine(target, drafters_for(target)[kind], epsilon=0.5, seed=4)
         assert tokens_of(engine.generate(prompts, params)) == tokens_of(plain)
         assert len(set(engine.stats()["strategies"])) >= 4  # really switched arms
-
-
-def test_engine_config_named_maps_system_names():
-    drafter = object()
-    off = tlt.EngineConfig.named("off", drafter, progress=False)
-    assert (off.speculative, off.drafter, off.progress) == ("off", None, False)
-    adaptive = tlt.EngineConfig.named("adaptive", drafter, seed=3)
-    assert (adaptive.speculative, adaptive.drafter, adaptive.seed) == ("adaptive", drafter, 3)
-    fixed = tlt.EngineConfig.named("tree-d4-k2-v8", drafter)
-    assert (fixed.speculative, fixed.strategy, fixed.drafter) == ("on", "tree-d4-k2-v8", drafter)
-    with pytest.raises(tlt.ConfigError, match="catch_up_window"):
-        tlt.EngineConfig.named("off", catch_up_window=0)

@@ -1,5 +1,5 @@
 """Smoke test of `tlt bench speculative`: the measuring function runs every strategy on a tiny random
-model and drafter, and writes the documented record."""
+model and drafter, and writes the documented record; the engine config each system name stands for."""
 
 import argparse
 import json
@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from tlt.bench import fill_workload_defaults, speculative
+from tlt.bench import engine_config, fill_workload_defaults, speculative
+from tlt.errors import ConfigError
 from tlt.tasks import get_task
 from tlt.io import atomic_write_json
 
@@ -137,3 +138,15 @@ def test_options_parse_lists():
     assert (given.task, given.drafter, given.max_tokens) == ("arithmetic", "d", 50)
     with pytest.raises(SystemExit):
         parser.parse_args(["--task", "nope"])
+
+
+def test_engine_config_maps_system_names():
+    drafter = object()
+    off = engine_config("off", drafter, progress=False)
+    assert (off.speculative, off.drafter, off.progress) == ("off", None, False)
+    adaptive = engine_config("adaptive", drafter, seed=3)
+    assert (adaptive.speculative, adaptive.drafter, adaptive.seed) == ("adaptive", drafter, 3)
+    fixed = engine_config("tree-d4-k2-v8", drafter)
+    assert (fixed.speculative, fixed.strategy, fixed.drafter) == ("on", "tree-d4-k2-v8", drafter)
+    with pytest.raises(ConfigError, match="catch_up_window"):
+        engine_config("off", catch_up_window=0)

@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 def tiny(model_dir, dataset, **overrides) -> TrainConfig:
     fields = {"model": str(model_dir), "dataset": str(dataset), "speculative": "off", "drafter.model": None,
               "workers": 1, "steps": 2, "prompts_per_step": 2, "group_size": 4, "max_response_tokens": 8,
-              "eval_every": 2, "eval_problems": 2, "eval_samples": 2, "save_every": 0, "optim.lr": 1e-2}
+              "eval.every": 2, "eval.problems": 2, "eval.samples": 2, "save_every": 0, "optim.lr": 1e-2}
     return override(TrainConfig(), {**fields, **overrides})
 
 
@@ -83,7 +83,7 @@ def test_a_tokenizer_that_reads_nothing_of_a_prompt_is_named(tmp_path):
     tiny_hf_model("qwen2", vocab_size=64, **SIZES).save_pretrained(tmp_path / "model")
     build_chat_tokenizer(tmp_path / "model", 64)
     (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
-    config = tiny(tmp_path / "model", tmp_path / "train.jsonl", reward="reward_fixtures:digit_fraction", eval_every=0)
+    config = tiny(tmp_path / "model", tmp_path / "train.jsonl", reward="reward_fixtures:digit_fraction", eval={"every": 0})
     with pytest.raises(ConfigError, match=r"train.jsonl:1: the prompt encodes to no tokens .*Qwen2Tokenizer"):
         train(config, tmp_path / "run", log=lambda *_: None)
 
@@ -127,7 +127,7 @@ def test_the_readme_example_files_train(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "byo"))
     model = tmp_path / "byo" / "model"
     for dataset, reward in (("train.jsonl", "my_reward:weighted_answer"), ("train.parquet", "math")):
-        config = tiny(model, tmp_path / "byo" / dataset, reward=reward, steps=1, eval_every=1, max_response_tokens=6,
+        config = tiny(model, tmp_path / "byo" / dataset, reward=reward, steps=1, eval={"every": 1}, max_response_tokens=6,
                       accuracy_threshold=0.5)
         metrics = run(config, tmp_path / f"run-{dataset}")
         assert [r["step"] for r in metrics] == [0, 1] and metrics[1]["reward_errors"] == 0

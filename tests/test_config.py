@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from tlt.cli import main
-from tlt.config import build, flatten, format_value, from_dict, keys, to_dict
+from tlt.config import build, flatten, format_value, from_dict, keys, override, to_dict, upgrade
 from tlt.errors import ConfigError
 from tlt.rl import TrainConfig
 
@@ -15,20 +15,24 @@ from tlt.rl import TrainConfig
 def test_dotted_keys_and_nested_yaml_set_a_groups_fields(tmp_path):
     (tmp_path / "run.yaml").write_text("steps: 3\ndrafter: {lr: 1.0e-3, train: every}\nloss:\n  kl_coef: 0.05\n")
     c = build(TrainConfig, tmp_path / "run.yaml", ["drafter.lr=2e-4", "tuner.arms=off,tree-d4-k2-v8",
-                                                     "history.responses=0", "optim.mini_batches=2"])
+                                                     "history.responses=0", "optim.mini_batches=2", "eval.every=5",
+                                                     "log.wandb=true"])
     assert (c.steps, c.drafter.lr, c.drafter.train, c.loss.kl_coef) == (3, 2e-4, "every", 0.05)
     assert c.tuner.arms == ("off", "tree-d4-k2-v8") and c.history.responses == 0 and c.optim.mini_batches == 2
+    assert c.eval.every == 5 and c.log.wandb is True
     assert c.drafter.window == 256 and c.tuner.epsilon == 0.1  # the rest of each group keeps its defaults
     assert from_dict(TrainConfig, to_dict(c)) == c  # config.json's nested layout reads back
 
 
-def test_a_flat_key_of_the_previous_release_warns_naming_its_new_key(tmp_path):
+def test_a_flat_key_of_an_earlier_release_warns_naming_its_new_key(tmp_path):
     with pytest.warns(FutureWarning) as caught:
-        c = build(TrainConfig, None, ["drafter_lr=1e-4", "drafter=random"])
-    assert c.drafter.lr == 1e-4 and c.drafter.model == "random"
+        c = build(TrainConfig, None, ["drafter_lr=1e-4", "drafter=random", "eval_every=5", "wandb=true"])
+    assert c.drafter.lr == 1e-4 and c.drafter.model == "random" and c.eval.every == 5 and c.log.wandb is True
     assert [str(w.message) for w in caught] == [
         "command line: key 'drafter_lr' is now 'drafter.lr'; the old name goes in the next release",
-        "command line: key 'drafter' is now 'drafter.model'; the old name goes in the next release"]
+        "command line: key 'drafter' is now 'drafter.model'; the old name goes in the next release",
+        "command line: key 'eval_every' is now 'eval.every'; the old name goes in the next release",
+        "command line: key 'wandb' is now 'log.wandb'; the old name goes in the next release"]
     (tmp_path / "run.yaml").write_text("lr: 0.001\ntuner_arms: off,ngram-d4\n")
     with pytest.warns(FutureWarning) as caught:
         c = build(TrainConfig, tmp_path / "run.yaml", ["optim.lr=0.01"])  # the command line still wins
@@ -40,7 +44,19 @@ def test_a_flat_key_of_the_previous_release_warns_naming_its_new_key(tmp_path):
         from_dict(TrainConfig, {"lr": "0.1", "optim.lr": "0.2"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new keys warn about nothing
-        build(TrainConfig, None, ["optim.lr=0.1", "drafter.model=random"])
+        build(TrainConfig, None, ["optim.lr=0.1", "drafter.model=random", "eval.problems=8", "log.progress=false"])
+
+
+def test_a_config_json_of_the_release_before_the_eval_and_log_groups_reads_back():
+    """config.json as the release before `eval.` and `log.` wrote it (the other groups nested, eval_every,
+    wandb, ... flat) reads back as the same config, without a warning: tlt wrote those keys."""
+    nested = to_dict(override(TrainConfig(), {"eval.every": 5, "eval.samples": 2, "log.wandb_project": "p",
+                                              "log.progress": False}))
+    old = {k: v for k, v in nested.items() if k not in ("eval", "log")}
+    old.update({f"eval_{k}": v for k, v in nested["eval"].items()}, **nested["log"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert from_dict(TrainConfig, upgrade(TrainConfig, old)) == from_dict(TrainConfig, nested)
 
 
 def test_an_unknown_key_names_the_closest_dotted_key():

@@ -71,10 +71,11 @@ def test_logprobs_equal_a_full_forward_on_cuda(target):
 
 def test_grpo_step_with_drafter_training_on_cuda(tmp_path):
     from tlt.rl import GRPOTrainer, TrainConfig
+    from tlt.rl.config import EvalConfig, LogConfig
     from tlt.spot import SpotConfig
 
     c = TrainConfig(device="cuda", workers=1, prompts_per_step=4, group_size=4, max_response_tokens=64, steps=2,
-                    eval_every=0, save_every=0, speculative="adaptive", progress=False,
+                    eval=EvalConfig(every=0), save_every=0, speculative="adaptive", log=LogConfig(progress=False),
                     drafter=SpotConfig(model="default", train="every", min_pairs=1, local_steps=2))
     trainer = GRPOTrainer(c, tmp_path, log=lambda *_: None)
     try:

@@ -17,6 +17,7 @@ import torch
 
 import tlt
 from tlt.adaptive import AdaptiveDecoder, Tuner, TunerConfig
+from tlt.bench import engine_config
 from tlt.model import ModelConfig, Transformer
 from tlt.rollout.decoding import Decoder, PlainDecoder
 from tlt.rollout.stats import RolloutStats
@@ -59,7 +60,7 @@ def test_every_decoder_is_a_decoder():
     for decoder in decoders:
         assert isinstance(decoder, Decoder), type(decoder).__name__
     for system in ("off", "ngram-d4", "tree-d3-k2-v4", "adaptive"):
-        engine = tlt.RolloutEngine(target, config=tlt.EngineConfig.named(system, drafter=drafter, progress=False))
+        engine = tlt.RolloutEngine(target, config=engine_config(system, drafter=drafter, progress=False))
         assert isinstance(engine.decoder, Decoder), system
         assert (engine.tuner is not None) == (system == "adaptive")
         assert engine.drafter is (None if system == "off" else drafter)
@@ -108,7 +109,7 @@ def test_decoder_states_are_the_decoders(system):
     """Per-row states come from the decoder: none for plain decoding; under speculation one drafting
     index per group shared by its rows, and acceptance reported per completion."""
     target = random_target(seed=3)
-    engine = tlt.RolloutEngine(target, config=tlt.EngineConfig.named(system, progress=False))
+    engine = tlt.RolloutEngine(target, config=engine_config(system, progress=False))
     states = engine.decoder.start([[4, 5, 6], [7, 8]], [2, 3], None)
     assert [len(s) for s in states] == [2, 3]
     if system == "off":
@@ -131,7 +132,7 @@ ENGINE_STATS_KEYS = {"steps", "prefill_tokens", "decode_tokens", "wall_time_s", 
 
 def test_engine_stats_keep_their_keys_and_round_trip():
     target = random_target(seed=4)
-    engine = tlt.RolloutEngine(target, config=tlt.EngineConfig.named("ngram-d4", progress=False))
+    engine = tlt.RolloutEngine(target, config=engine_config("ngram-d4", progress=False))
     engine.generate([[4, 5, 6, 4, 5]], tlt.SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True))
     stats = engine.stats()
     assert set(stats) == ENGINE_STATS_KEYS

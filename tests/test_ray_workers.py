@@ -9,7 +9,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tlt.rl.config import OptimConfig, TrainConfig  # noqa: E402
+from tlt.rl.config import EvalConfig, OptimConfig, TrainConfig  # noqa: E402
 from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from tlt.spot.config import SpotConfig  # noqa: E402
 from tlt.spot.rollout import DrafterLearning, PooledRollout  # noqa: E402
@@ -180,7 +180,7 @@ def test_grpo_on_two_ray_workers_runs_and_resumes(model_dir, tmp_path):
 
     config = TrainConfig(model=str(model_dir), speculative="adaptive", workers=2,
                          reward="reward_fixtures:digit_fraction", train_problems=32, prompts_per_step=4, group_size=4,
-                         max_response_tokens=16, eval_every=0, save_every=1, steps=2, optim=OptimConfig(lr=1e-2),
+                         max_response_tokens=16, eval=EvalConfig(every=0), save_every=1, steps=2, optim=OptimConfig(lr=1e-2),
                          drafter=SpotConfig(model="random", train="every", min_pairs=1, batch_tokens=128, window=32))
     run = tmp_path / "run"
     train(config, run, log=lambda *_: None, stop_after=1)

@@ -10,7 +10,7 @@ from tlt.cli import main
 from tlt.errors import ConfigError
 from tlt.report import write_report
 from tlt.rl import TrainConfig
-from tlt.rl.config import OptimConfig
+from tlt.rl.config import EvalConfig, LogConfig, OptimConfig
 from tlt.rl.metrics import MetricsLog
 from tlt.rl.run import train
 from tlt.spot import SpotConfig
@@ -35,12 +35,12 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     save_tiny_policy(root / "model")
     common = dict(model=str(root / "model"), workers=1, reward="reward_fixtures:digit_fraction", train_problems=32,
-                  prompts_per_step=4, group_size=4, max_response_tokens=16, eval_problems=4, eval_samples=2,
-                  eval_every=1, save_every=0, steps=2, drafter=SpotConfig(model=None), optim=OptimConfig(lr=1e-2))
+                  prompts_per_step=4, group_size=4, max_response_tokens=16,
+                  eval=EvalConfig(every=1, problems=4, samples=2), save_every=0, steps=2, drafter=SpotConfig(model=None), optim=OptimConfig(lr=1e-2))
     train(TrainConfig(speculative="on", strategy="ngram-d4", **common), root / "on", log=lambda *_: None)
     with pytest.MonkeyPatch.context() as mp:
         wandb_offline(mp, root)
-        train(TrainConfig(speculative="off", tensorboard=True, wandb=True, **common), root / "off", log=lambda *_: None)
+        train(TrainConfig(speculative="off", log=LogConfig(tensorboard=True, wandb=True), **common), root / "off", log=lambda *_: None)
     return root
 
 
@@ -130,7 +130,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
 
 def test_wandb_missing_names_the_package_and_starts_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
-    with pytest.raises(ImportError, match="wandb=true needs the wandb package"):
+    with pytest.raises(ImportError, match="log.wandb=true needs the wandb package"):
         MetricsLog(tmp_path, wandb_project="tlt")
     assert not (tmp_path / "metrics.jsonl").exists()
 

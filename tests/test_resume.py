@@ -17,7 +17,7 @@ from tlt.rl.run import train
 from rl_fixtures import save_tiny_policy, tiny_config
 
 TESTS = Path(__file__).resolve().parent
-FIELDS = dict(steps=3, save_every=1, eval_every=3, keep_checkpoints=2)
+FIELDS = dict(steps=3, save_every=1, eval={"every": 3}, keep_checkpoints=2)
 
 # Runs the tiny config in a child process and kills it at `point` during step 2.
 KILLER = """
@@ -103,7 +103,7 @@ def test_a_kill_at_any_moment_resumes_with_every_step_once(model_dir, whole, tmp
 def test_a_torn_newest_checkpoint_falls_back_to_the_previous_one(model_dir, tmp_path, damaged):
     """Regression: a torn tuner.json gave a traceback, and no torn file let resume use the previous
     complete checkpoint."""
-    fields = dict(FIELDS, speculative="adaptive", tuner={"arms": ("off", "ngram-d4")}, eval_every=0)
+    fields = dict(FIELDS, speculative="adaptive", tuner={"arms": ("off", "ngram-d4")}, eval={"every": 0})
     config = tiny_config(model_dir, **fields)
     whole = train(config, tmp_path / "whole", log=lambda *_: None).metrics
     run = tmp_path / "run"

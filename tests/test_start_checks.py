@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory):
 def cli_args(model_dir, **overrides):
     fields = {"model": model_dir, "drafter.model": "none", "speculative": "off", "workers": 1,
               "reward": "reward_fixtures:digit_fraction", "train_problems": 16, "prompts_per_step": 2, "group_size": 2,
-              "max_response_tokens": 6, "eval_every": 0, "save_every": 1, "steps": 1}
+              "max_response_tokens": 6, "eval.every": 0, "save_every": 1, "steps": 1}
     fields.update(overrides)
     return [f"{k}={v}" for k, v in fields.items()]
 
@@ -52,7 +52,7 @@ def test_a_prompt_with_a_character_the_tokenizer_lacks_is_named_by_its_line(mode
     (tmp_path / "train.jsonl").write_text("\n".join(good[:5] + ([bad] if where == "train" else []) + good[5:]) + "\n")
     (tmp_path / "eval.jsonl").write_text("\n".join(good[:1] + ([bad] if where == "eval" else [])) + "\n")
     config = tiny_config(model_dir, dataset=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "eval.jsonl"),
-                         eval_every=1)
+                         eval={"every": 1})
     line = 6 if where == "train" else 2
     with pytest.raises(ConfigError, match=rf"{where}.jsonl:{line}: the prompt cannot be encoded .*character 'w'"):
         GRPOTrainer(config, log=lambda *_: None)
@@ -178,7 +178,7 @@ def test_accuracy_counts_rewards_at_or_above_the_threshold(model_dir):
     value is 0.5 (the README's example) showed accuracy 0.000 at every eval."""
     rows = {}
     for threshold in (1.0, 0.05):
-        trainer = GRPOTrainer(tiny_config(model_dir, accuracy_threshold=threshold, eval_every=1), log=lambda *_: None)
+        trainer = GRPOTrainer(tiny_config(model_dir, accuracy_threshold=threshold, eval={"every": 1}), log=lambda *_: None)
         episodes, _ = trainer.rollout(trainer.examples_for_step(0), 0)
         trainer.score(episodes)
         rows[threshold] = trainer.train_step() | trainer.evaluate()
@@ -206,7 +206,7 @@ def test_train_config_refuses_values_that_would_fail_or_mislead_later(fields, me
 
 
 def test_a_truncated_eval_file_and_a_finished_run_are_said(model_dir, tmp_path):
-    """Regression: eval_dataset was cut to eval_problems rows without a word, and resuming a finished run
+    """Regression: eval_dataset was cut to eval.problems rows without a word, and resuming a finished run
     without raising steps printed only an empty table."""
     from tlt.rl.run import train
 
@@ -214,7 +214,7 @@ def test_a_truncated_eval_file_and_a_finished_run_are_said(model_dir, tmp_path):
     (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")
     lines = []
     config = tiny_config(model_dir, dataset=str(tmp_path / "d.jsonl"), eval_dataset=str(tmp_path / "d.jsonl"),
-                         eval_problems=4, steps=1, save_every=1)
+                         eval={"problems": 4}, steps=1, save_every=1)
     train(config, tmp_path / "run", log=lines.append)
     assert "eval on the first 4 of 6 examples" in lines[0]
     train(config, tmp_path / "run", resume=True, log=lines.append)
@@ -272,19 +272,21 @@ def test_a_run_whose_config_json_has_the_flat_keys_of_the_previous_release_resum
     from tlt.rl.run import resume_config
 
     flat = json.loads((Path(__file__).parent / "flat_run_config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**flat, "lr": 0.01, "drafter_train": "off", "tuner_epsilon": 0.5}))
+    (tmp_path / "config.json").write_text(json.dumps({**flat, "lr": 0.01, "drafter_train": "off", "tuner_epsilon": 0.5,
+                                                      "eval_every": 5, "wandb_project": "p"}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config = resume_config(tmp_path, ["steps=5"])
     assert config == override(TrainConfig(), {"steps": 5, "optim.lr": 0.01, "drafter.train": "off",
-                                              "tuner.epsilon": 0.5})
+                                              "tuner.epsilon": 0.5, "eval.every": 5, "log.wandb_project": "p"})
     run = tmp_path / "run"
     args = cli_args(model_dir)
     assert main(["train", "--out", str(run), *args]) == 0
     fields = dict(arg.split("=", 1) for arg in args)
-    fields["drafter"] = fields.pop("drafter.model")
+    fields["drafter"], fields["eval_every"] = fields.pop("drafter.model"), fields.pop("eval.every")
     (run / "config.json").write_text(json.dumps({**flat, **fields}))
     assert main(["train", "--resume", str(run), "steps=2"]) == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     written = json.loads((run / "config.json").read_text())
     assert written["drafter"]["model"] is None and written["optim"]["lr"] == 1e-4 and "drafter_train" not in written
+    assert written["eval"]["every"] == 0 and "eval_every" not in written

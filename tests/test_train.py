@@ -98,7 +98,7 @@ def _comparable(row):
 
 
 def test_resume_gives_the_same_next_step(model_dir, tmp_path):
-    c = config(model_dir, steps=3, save_every=1, eval_every=3)
+    c = config(model_dir, steps=3, save_every=1, eval={"every": 3})
     whole = train(c, tmp_path / "whole", log=lambda *_: None).metrics
     train(c, tmp_path / "killed", log=lambda *_: None, stop_after=2)
     # A killed run may have written a metrics row after its last checkpoint; resume must drop it.
@@ -131,7 +131,7 @@ def test_nan_loss_stops_with_the_last_checkpoint_intact(model_dir, tmp_path):
 
 
 def test_run_directory_holds_metrics_checkpoints_and_eval(model_dir, tmp_path):
-    c = config(model_dir, steps=2, save_every=1, eval_every=1, keep_checkpoints=1)
+    c = config(model_dir, steps=2, save_every=1, eval={"every": 1}, keep_checkpoints=1)
     rows = train(c, tmp_path / "run", log=lambda *_: None).metrics
     assert rows[0]["step"] == 0 and "eval_accuracy" in rows[0] and "eval_pass@2" in rows[0]
     for key in ("reward", "response_length_p99", "time_rollout_s", "time_reward_s", "time_update_s", "time_sync_s",
@@ -221,7 +221,7 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
     assert "promts_per_step" in capsys.readouterr().err
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
     args = [f"model={model_dir}", "drafter.model=none", "speculative=off", "workers=1", "reward=reward_fixtures:digit_fraction",
-            "train_problems=16", "prompts_per_step=2", "group_size=2", "max_response_tokens=6", "eval_every=0",
+            "train_problems=16", "prompts_per_step=2", "group_size=2", "max_response_tokens=6", "eval.every=0",
             "save_every=1", "steps=1"]
     assert main(["train", "--out", str(tmp_path / "run"), *args]) == 0
     assert main(["train", "--resume", str(tmp_path / "run"), "steps=2"]) == 0
@@ -248,14 +248,14 @@ def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_
 def test_dataset_eval_holds_rows_out_of_training(model_dir, tmp_path):
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    trainer = GRPOTrainer(config(model_dir, dataset=str(tmp_path / "d.jsonl"), eval_every=1, eval_problems=4),
+    trainer = GRPOTrainer(config(model_dir, dataset=str(tmp_path / "d.jsonl"), eval={"every": 1, "problems": 4}),
                           log=lambda *_: None)
     assert [e.prompt for e in trainer.eval_examples] == ["6+1=", "7+1="]  # at most a quarter is held out
     assert not {e.prompt for e in trainer.eval_examples} & {e.prompt for e in trainer.train_examples}
     trainer.close()
     (tmp_path / "one.jsonl").write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(ConfigError, match="too few to hold any out"):
-        GRPOTrainer(config(model_dir, dataset=str(tmp_path / "one.jsonl"), eval_every=1), log=lambda *_: None)
+        GRPOTrainer(config(model_dir, dataset=str(tmp_path / "one.jsonl"), eval={"every": 1}), log=lambda *_: None)
 
 
 def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp_path):
@@ -263,7 +263,7 @@ def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp
     time); `compare` runs off / tlt / frozen side by side and reports the alignment figures."""
     from tlt.bench.e2e import alignment, cold_start, compare, matching_steps
 
-    c = config(model_dir, speculative="adaptive", drafter={**LEARNING, "local_steps": 3}, steps=2, eval_every=2,
+    c = config(model_dir, speculative="adaptive", drafter={**LEARNING, "local_steps": 3}, steps=2, eval={"every": 2},
                max_response_tokens=24)
     result = compare(c, "adaptive", tmp_path / "bench", log=lambda *_: None)
     assert result["runs"] == ["off", "tlt", "frozen"]
@@ -346,7 +346,7 @@ def test_resume_with_drafter_training_trains_on_the_saved_buffer(model_dir, tmp_
         timing = ("tokens_per_s", "eval_time_s", "drafter_phase_s", "drafter_stop_latency_s")
         return {k: v for k, v in row.items() if not k.startswith("time_") and k not in timing}
 
-    fields = dict(speculative="on", strategy="tree-d3-k2-v4", steps=3, save_every=1, eval_every=0,
+    fields = dict(speculative="on", strategy="tree-d3-k2-v4", steps=3, save_every=1, eval={"every": 0},
                   max_response_tokens=24)
     drafter = {**LEARNING, "local_steps": 2}
     whole = train(config(model_dir, drafter=drafter, **fields), tmp_path / "whole", log=lambda *_: None).metrics
@@ -416,7 +416,7 @@ def test_compare_in_bfloat16_against_a_float32_baseline(model_dir, tmp_path):
     from tlt.bench.e2e import compare
 
     c = config(model_dir, rollout_dtype="bfloat16", loss={"old_logprobs": "recompute"},
-               drafter={"model": "random", "train": "off"}, speculative="adaptive", steps=2, eval_every=2,
+               drafter={"model": "random", "train": "off"}, speculative="adaptive", steps=2, eval={"every": 2},
                max_response_tokens=16)
     result = compare(c, "adaptive", tmp_path / "bench", log=lambda *_: None, runs=("off", "tlt"),
                      baseline_dtype="float32")
@@ -436,7 +436,7 @@ def test_compare_in_bfloat16_against_a_float32_baseline(model_dir, tmp_path):
     assert ratios["rollout_speedup_vs_off_float32"] == pytest.approx(breakdown["off_float32"]["rollout"] /
                                                                      breakdown["tlt"]["rollout"])
     # the same dtype as the shared runs adds nothing
-    same = compare(override(c, {"steps": 1, "eval_every": 1}), "adaptive", None, log=lambda *_: None,
+    same = compare(override(c, {"steps": 1, "eval.every": 1}), "adaptive", None, log=lambda *_: None,
                    runs=("tlt",), baseline_dtype="bfloat16")
     assert same["runs"] == ["tlt"] and not any(k.endswith("bfloat16") for k in same["ratios"])
 

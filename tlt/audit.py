@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tlt.bench import comma_list
+from tlt.bench import comma_list, engine_config
 from tlt.config import integer_flag, number_flag
 from tlt.model.checkpoint import DTYPE_NAMES
 
@@ -163,9 +163,9 @@ def teacher_forced(model, prompts: list[list[int]], responses: list[list[int]], 
 
 
 def engine_for(model, tokenizer, system: str, drafter):
-    from tlt.rollout import EngineConfig, RolloutEngine
+    from tlt.rollout import RolloutEngine
 
-    return RolloutEngine(model, tokenizer, EngineConfig.named(system, drafter, progress=False))
+    return RolloutEngine(model, tokenizer, engine_config(system, drafter, progress=False))
 
 
 def audit(model, tokenizer, prompts: list[list[int]], systems: list[str], drafter=None, samples: int = 16,

@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    defaults = ["prompts_per_step=8", "group_size=8", "eval_problems=32", "eval_samples=4", f"steps={args.steps}",
-                f"eval_every={args.steps}"]
+    defaults = ["prompts_per_step=8", "group_size=8", "eval.problems=32", "eval.samples=4", f"steps={args.steps}",
+                f"eval.every={args.steps}"]
     config = build(TrainConfig, None, [*defaults, *args.overrides])
     out = Path(args.out)
     for name in ("off", "tlt"):

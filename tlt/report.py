@@ -244,7 +244,7 @@ def _fmt(value: object, digits: int = 3) -> str:
 
 def _eval_lines(run: Run) -> list[str]:
     if not run.evals:
-        return ["No eval rows (eval_every=0)."]
+        return ["No eval rows (eval.every=0)."]
     lines = ["| metric | first | last | best (step) |", "|---|---|---|---|"]
     keys = ["eval_accuracy", "eval_greedy_accuracy"] + sorted({k for r in run.evals for k in r if k.startswith("eval_pass@")})
     for key in keys:

@@ -32,6 +32,19 @@ def run(args: argparse.Namespace) -> int:
     return importlib.import_module(args._bench).run(args)
 
 
+def engine_config(system: str, drafter: object | None = None, **fields):
+    """The EngineConfig a system name of the benchmarks and the audit stands for: "off" (plain decoding),
+    "adaptive" (the tuner picks per step, with `drafter`) or a strategy name such as "tree-d4-k2-v8"
+    (speculation on with that one strategy). Other `fields` are passed through."""
+    from tlt.rollout import EngineConfig
+
+    if system == "off":
+        return EngineConfig(**fields)
+    if system == "adaptive":
+        return EngineConfig(speculative="adaptive", drafter=drafter, **fields)
+    return EngineConfig(speculative="on", strategy=system, drafter=drafter, **fields)
+
+
 def comma_list(text: str) -> list[str]:
     """The non-empty, stripped items of a comma-separated option value."""
     return [x.strip() for x in text.split(",") if x.strip()]

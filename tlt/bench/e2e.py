@@ -132,7 +132,7 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
         logs[name] = MetricsLog(out / name if out is not None else None)
     rows: dict[str, list[dict]] = {name: [] for name in trainers}
     evals: dict[str, list[dict]] = {name: [] for name in trainers}
-    every = base.eval_every or steps
+    every = base.eval.every or steps
     log(f"{base.model} model, {base.prompts_per_step} prompts x {base.group_size} samples, {steps} RL steps, "
         f"speculation off vs {tlt_mode}, alternating step by step")
     start = time.perf_counter()

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     steps = math.ceil(args.epochs * args.problems / args.prompts_per_step)
     base = build(TrainConfig, None, [f"train_problems={args.problems}", f"prompts_per_step={args.prompts_per_step}",
-                                     f"group_size={args.group}", f"steps={steps}", "eval_every=0", "save_every=0",
+                                     f"group_size={args.group}", f"steps={steps}", "eval.every=0", "save_every=0",
                                      "workers=1", *args.overrides])
     command = " ".join(["tlt bench history", f"--measure {args.measure}", f"--problems {args.problems}",
                         f"--epochs {args.epochs}", f"--prompts-per-step {args.prompts_per_step}", f"--group {args.group}",

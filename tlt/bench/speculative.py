@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tlt.bench import add_workload_arguments, baseline_name, comma_list, fill_workload_defaults, paired, rotation
+from tlt.bench import (add_workload_arguments, baseline_name, comma_list, engine_config, fill_workload_defaults, paired,
+                       rotation)
 from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
 from tlt.device import synchronize
@@ -80,9 +81,9 @@ def covered(b: int, total: int) -> int:
 
 def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, temperature: float, max_tokens: int,
                repeat: int) -> dict:
-    from tlt.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from tlt.rollout import RolloutEngine, SamplingParams
 
-    engine = RolloutEngine(model, config=EngineConfig.named(strategy, drafter, progress=False))
+    engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False))
     wall = tokens = 0
     for k, prompts in enumerate(batches):
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=(repeat + 1) * 1000 + k * len(prompts) + i)

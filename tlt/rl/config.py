@@ -3,8 +3,9 @@
 Its own fields are the model and data, the rollout, the workers and the run; the components each hold
 their group of keys and check them: `drafter` (SpotConfig: which drafter, and its online training),
 `tuner` (TunerConfig: the adaptive engine's bandit), `history` (HistoryConfig: the store the suffix
-arms draft from), `loss` (LossConfig: the GRPO objective) and `optim` (OptimConfig: the policy's
-optimiser). On the command line a group's key is dotted (`drafter.lr=1e-4`), in YAML nested
+arms draft from), `loss` (LossConfig: the GRPO objective), `optim` (OptimConfig: the policy's
+optimiser), `eval` (EvalConfig: the held-out evals) and `log` (LogConfig: where scalars and progress
+go). On the command line a group's key is dotted (`drafter.lr=1e-4`), in YAML nested
 (`drafter: {lr: 1e-4}`); `tlt train --help-config` lists them all. Checks across components stay here.
 Defaults are the embedded default: the default model on the built-in task with adaptive speculation.
 """
@@ -49,8 +50,33 @@ class OptimConfig:
             check_int(self, name, 1)
 
 
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = setting(10, "steps between evals (0: none)")
+    problems: int = setting(128, "problems per eval, at most (a dataset without eval_dataset holds out its last "
+                            "rows, at most a quarter)")
+    samples: int = setting(4, "samples per eval problem at the training temperature (pass@k, k = eval.samples)")
+
+    def __post_init__(self) -> None:
+        check_int(self, "every", 0)
+        for name in ("problems", "samples"):
+            check_int(self, name, 1)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    tensorboard: bool = setting(False, "scalars to TensorBoard")
+    wandb: bool = setting(False, "scalars to Weights & Biases (WANDB_MODE=offline writes them locally only)")
+    wandb_project: str = setting("tlt", "the W&B project")
+    progress: bool | None = setting(None, "a progress bar per rollout (none: when the console is a terminal)")
+
+    def __post_init__(self) -> None:
+        check(self, "wandb_project", isinstance(self.wandb_project, str) and bool(self.wandb_project.strip()),
+              "a non-empty name")
+
+
 def _previous_keys() -> dict[str, str]:
-    """The flat keys of the release before groups, -> their dotted names."""
+    """The flat keys of earlier releases, -> their dotted names."""
     drafter = ("train", "train_every", "train_fraction", "min_pairs", "lr", "warmup_steps", "batch_tokens", "window",
                "unroll", "max_steps", "local_steps", "buffer_mb", "buffer_steps", "buffer_evict", "buffer_sample",
                "buffer_checkpoint", "hot_swap_every")
@@ -63,7 +89,9 @@ def _previous_keys() -> dict[str, str]:
             **{f"tuner_{k}": f"tuner.{k}" for k in ("buckets", "arms", "epsilon", "explore")},
             **{f"history_{k}": f"history.{k}" for k in ("responses", "mb", "max_age", "window")},
             **{k: f"loss.{k}" for k in loss},
-            **{k: f"optim.{k}" for k in optim}}
+            **{k: f"optim.{k}" for k in optim},
+            **{f"eval_{k}": f"eval.{k}" for k in ("every", "problems", "samples")},
+            **{k: f"log.{k}" for k in ("tensorboard", "wandb", "wandb_project", "progress")}}
 
 
 @dataclass(frozen=True)
@@ -110,18 +138,11 @@ class TrainConfig:
     # --- run
     steps: int = setting(60, "RL steps (policy updates)")
     seed: int = setting(0, "seed of the prompts, the samples and the drafter's training")
-    eval_every: int = setting(10, "steps between evals (0: none)")
-    eval_problems: int = setting(128, "eval problems")
-    eval_samples: int = setting(4, "samples per eval problem at the training temperature (pass@k, k = eval_samples)")
     save_every: int = setting(10, "steps between checkpoints (0: none)")
     keep_checkpoints: int = setting(2, "checkpoints kept, the newest")
     threads: int = setting(0, "torch threads of the trainer (0: torch's default)")
     device: str = setting("auto", "the trainer's and the in-process engine's: auto (the first CUDA device, else the "
                           "CPU), cpu, cuda or cuda:N")
-    tensorboard: bool = setting(False, "scalars to TensorBoard")
-    wandb: bool = setting(False, "scalars to Weights & Biases (WANDB_MODE=offline writes them locally only)")
-    wandb_project: str = setting("tlt", "the W&B project")
-    progress: bool | None = setting(None, "a progress bar per rollout (none: when the console is a terminal)")
     # --- components
     drafter: SpotConfig = group(SpotConfig, "the learned drafter and its online training on released workers")
     tuner: TunerConfig = group(TunerConfig, "the adaptive engine's bandit (tlt/adaptive/tuner.py)")
@@ -129,15 +150,16 @@ class TrainConfig:
                                    "(tlt/speculative/history.py)")
     loss: LossConfig = group(LossConfig, "the GRPO objective (tlt/rl/grpo.py)")
     optim: OptimConfig = group(OptimConfig, "the policy's optimiser and the update's batching")
+    eval: EvalConfig = group(EvalConfig, "held-out evals: how often, on how many problems, how many samples each")
+    log: LogConfig = group(LogConfig, "where the run's scalars go besides metrics.jsonl, and the progress bar")
 
     def __post_init__(self) -> None:
         check_groups(self)
         check_numbers(self)
         for name in ("train_problems", "prompts_per_step", "max_response_tokens", "max_batch_size", "steps",
-                     "eval_problems", "eval_samples", "keep_checkpoints", "trainer_processes"):
+                     "keep_checkpoints", "trainer_processes"):
             check_int(self, name, 1)
-        for name in ("reward_workers", "reward_failure_steps", "workers", "worker_threads", "eval_every",
-                     "save_every", "threads"):
+        for name in ("reward_workers", "reward_failure_steps", "workers", "worker_threads", "save_every", "threads"):
             check_int(self, name, 0)
         check_int(self, "group_size")
         check(self, "group_size", self.group_size >= 2, ">= 2 (GRPO compares samples of a group)")
@@ -149,8 +171,6 @@ class TrainConfig:
         check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         check(self, "top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "-1 (off) or >= 1")
         check(self, "worker_gpus", self.worker_gpus >= 0, ">= 0")
-        check(self, "wandb_project", isinstance(self.wandb_project, str) and bool(self.wandb_project.strip()),
-              "a non-empty name")
         from tlt.device import check_device_name
 
         check_device_name(self.device, "field 'device'")

@@ -77,7 +77,7 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
-                raise ImportError("tensorboard=true needs the tensorboard package (pip install tensorboard)") from exc
+                raise ImportError("log.tensorboard=true needs the tensorboard package (pip install tensorboard)") from exc
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
         if wandb_project is not None and run_dir is not None:
             self.wandb = _wandb_run(run_dir, wandb_project, run_config or {})
@@ -113,7 +113,7 @@ def _wandb_run(run_dir: Path, project: str, config: dict):
     try:
         import wandb
     except ImportError as exc:
-        raise ImportError("wandb=true needs the wandb package (pip install wandb)") from exc
+        raise ImportError("log.wandb=true needs the wandb package (pip install wandb)") from exc
     id_file = run_dir / "wandb_run.json"
     run_id = json.loads(id_file.read_text())["id"] if id_file.exists() else uuid.uuid4().hex[:8]
     atomic_write_json(id_file, {"id": run_id, "project": project})

@@ -44,12 +44,12 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
     metrics = None
     try:
         keep_until = resume_from_checkpoint(trainer, run_dir, log) if resume else None
-        metrics = MetricsLog(run_dir, c.tensorboard, keep_until=keep_until,
-                             wandb_project=c.wandb_project if c.wandb else None, run_config=to_dict(c), log=log)
+        metrics = MetricsLog(run_dir, c.log.tensorboard, keep_until=keep_until,
+                             wandb_project=c.log.wandb_project if c.log.wandb else None, run_config=to_dict(c), log=log)
         atomic_write_json(run_dir / "config.json", to_dict(c))
         log(f"tlt train: {c.model} on {c.dataset or c.task}, {c.prompts_per_step} prompts x {c.group_size} samples, "
             f"speculative={c.speculative}, {c.steps} steps -> {run_dir}")
-        if trainer.step == 0 and c.eval_every:
+        if trainer.step == 0 and c.eval.every:
             metrics.write({"step": 0, **trainer.evaluate()})
         if trainer.step >= c.steps:
             log(f"the run is at step {trainer.step}, and steps={c.steps}: nothing to train (pass steps=N to extend it)")
@@ -59,7 +59,7 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
         done = 0
         while trainer.step < c.steps and (stop_after is None or done < stop_after):
             row = trainer.train_step()
-            if c.eval_every and (trainer.step % c.eval_every == 0 or trainer.step == c.steps):
+            if c.eval.every and (trainer.step % c.eval.every == 0 or trainer.step == c.steps):
                 row.update(trainer.evaluate())
             metrics.write(row)
             log(table_row(row))

@@ -133,25 +133,25 @@ class GRPOTrainer:
             train = load_examples(c.dataset, prompt_column=c.prompt_column)
             if c.eval_dataset:
                 held = load_examples(c.eval_dataset, prompt_column=c.prompt_column)
-                if len(held) > c.eval_problems:
-                    self.log(f"eval on the first {c.eval_problems} of {len(held)} examples of {c.eval_dataset} "
-                             f"(eval_problems={c.eval_problems})")
-                return train, held[: c.eval_problems]
+                if len(held) > c.eval.problems:
+                    self.log(f"eval on the first {c.eval.problems} of {len(held)} examples of {c.eval_dataset} "
+                             f"(eval.problems={c.eval.problems})")
+                return train, held[: c.eval.problems]
             # No eval file: hold out the dataset's last rows (at most a quarter of it), so that eval
             # accuracy is measured on prompts the policy never trains on.
-            if not c.eval_every:
+            if not c.eval.every:
                 return train, []
-            held = min(c.eval_problems, len(train) // 4)
+            held = min(c.eval.problems, len(train) // 4)
             if held < 1:
                 raise ConfigError(f"{c.dataset}: {len(train)} examples are too few to hold any out for eval; "
-                                  "give eval_dataset or set eval_every=0")
+                                  "give eval_dataset or set eval.every=0")
             self.log(f"eval on the last {held} of {len(train)} examples of {c.dataset}, held out of training")
             return train[:-held], train[-held:]
         from tlt.data import task_examples
         from tlt.tasks import get_task
 
         task = get_task(c.task)
-        return task_examples(task, c.train_problems, c.seed, "train"), task_examples(task, c.eval_problems, c.seed, "eval")
+        return task_examples(task, c.train_problems, c.seed, "train"), task_examples(task, c.eval.problems, c.seed, "eval")
 
     def examples_for_step(self, step: int) -> list[Example]:
         """The prompts of update `step` (0-based): consecutive slots of per-epoch shuffles of the data."""
@@ -357,7 +357,7 @@ class GRPOTrainer:
     # --- eval and metrics ------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Held-out accuracy (fraction of samples with reward >= accuracy_threshold): greedy, and sampled at
-        the training temperature with pass@k over `eval_samples` samples. Seeds are fixed, so curves compare."""
+        the training temperature with pass@k over `eval.samples` samples. Seeds are fixed, so curves compare."""
         from tlt.evaluate import pass_at_k
 
         c = self.config
@@ -365,14 +365,14 @@ class GRPOTrainer:
             return {}
         start = time.perf_counter()
         greedy, _ = self.rollout(self.eval_examples, 0, greedy=True, samples=1, salt="eval-greedy")
-        sampled, _ = self.rollout(self.eval_examples, 0, samples=c.eval_samples, salt="eval")
+        sampled, _ = self.rollout(self.eval_examples, 0, samples=c.eval.samples, salt="eval")
         self.score(greedy)
         self.score(sampled)
-        hits = np.array([e.reward >= c.accuracy_threshold for e in sampled]).reshape(len(self.eval_examples), c.eval_samples)
+        hits = np.array([e.reward >= c.accuracy_threshold for e in sampled]).reshape(len(self.eval_examples), c.eval.samples)
         return {
             "eval_accuracy": float(hits.mean()),
             "eval_greedy_accuracy": float(np.mean([e.reward >= c.accuracy_threshold for e in greedy])),
-            f"eval_pass@{c.eval_samples}": float(np.mean([pass_at_k(c.eval_samples, int(h.sum()), c.eval_samples)
+            f"eval_pass@{c.eval.samples}": float(np.mean([pass_at_k(c.eval.samples, int(h.sum()), c.eval.samples)
                                                           for h in hits])),
             "eval_response_length": float(np.mean([len(e.completion_ids) for e in sampled])),
             "eval_time_s": time.perf_counter() - start,

@@ -60,14 +60,3 @@ class EngineConfig:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ConfigError(f"EngineConfig field 'catch_up_window' must be an int >= 1 or None, "
                               f"got {self.catch_up_window!r}")
-
-    @classmethod
-    def named(cls, system: str, drafter: object | None = None, **fields) -> "EngineConfig":
-        """The engine a system name stands for in benchmarks and audits: "off" (plain
-        decoding), "adaptive" (the tuner picks per step, with `drafter`) or a strategy name such as
-        "tree-d4-k2-v8" (speculation on with that one strategy). Other `fields` are passed through."""
-        if system == "off":
-            return cls(**fields)
-        if system == "adaptive":
-            return cls(speculative="adaptive", drafter=drafter, **fields)
-        return cls(speculative="on", strategy=system, drafter=drafter, **fields)

@@ -235,7 +235,8 @@ def held_out_acceptance(drafter, tokenizer, prompts, samples_per_prompt: int, te
     from tlt.speculative.data import generation_params
 
     check_target_only(strategy, "held-out acceptance")
-    engine = RolloutEngine(drafter.target, tokenizer, EngineConfig.named(strategy, drafter, progress=False))
+    engine = RolloutEngine(drafter.target, tokenizer,
+                           EngineConfig(speculative="on", strategy=strategy, drafter=drafter, progress=False))
     outs = engine.generate(prompts, generation_params(len(prompts), samples_per_prompt, temperature, max_tokens, seed))
     return engine.rollout_stats.acceptance_length(), [list(c.token_ids) for o in outs for c in o.outputs]
 

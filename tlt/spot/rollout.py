@@ -423,7 +423,7 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
             from tlt.speculative.drafter import Drafter
 
             drafter = Drafter.from_target(model, seed=c.seed).eval()
-        return LocalRollout(RolloutEngine(model, tokenizer, replace(engine, progress=c.progress, drafter=drafter)),
+        return LocalRollout(RolloutEngine(model, tokenizer, replace(engine, progress=c.log.progress, drafter=drafter)),
                             learning, c.drafter.local_steps)
     from tlt.spot.workers import RayPool, WorkerSpec
 
