@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nend-to-end speed-up over speculation off: {ratios['speedup']:.2f}x per RL step "
           f"(rollout {ratios['rollout_speedup']:.2f}x; rollout is {ratios['rollout_share']:.0%} of an off step)")
     print("(one short run on a shared machine: `tlt bench e2e --steps 20` gives a steadier figure)")
-    print("eval accuracy, start -> end: " + ", ".join(
-        f"{name} {evals[0]['eval_accuracy']:.3f} -> {evals[-1]['eval_accuracy']:.3f}" for name, evals in runs.evals.items()))
+    print("eval accuracy, start -> end: " + ", ".join(f"{name} {e[0]['eval_accuracy']:.3f} -> {e[-1]['eval_accuracy']:.3f}"
+                                                      for name, e in runs.evals.items()))
     print(f"same samples as the off run (every response length and the reward) in "
           f"{matching_steps(runs.rows['off'], runs.rows['tlt'])} of {config.steps} steps: tlt's default arms verify "
           "target-only, so the two are the same run")
