@@ -36,11 +36,13 @@ def runs(tmp_path_factory):
     save_tiny_policy(root / "model")
     common = dict(model=str(root / "model"), workers=1, reward="reward_fixtures:digit_fraction", train_problems=32,
                   prompts_per_step=4, group_size=4, max_response_tokens=16,
-                  eval=EvalConfig(every=1, problems=4, samples=2), save_every=0, steps=2, drafter=SpotConfig(model=None), optim=OptimConfig(lr=1e-2))
+                  eval=EvalConfig(every=1, problems=4, samples=2), save_every=0, steps=2, drafter=SpotConfig(model=None),
+                  optim=OptimConfig(lr=1e-2))
     train(TrainConfig(speculative="on", strategy="ngram-d4", **common), root / "on", log=lambda *_: None)
     with pytest.MonkeyPatch.context() as mp:
         wandb_offline(mp, root)
-        train(TrainConfig(speculative="off", log=LogConfig(tensorboard=True, wandb=True), **common), root / "off", log=lambda *_: None)
+        train(TrainConfig(speculative="off", log=LogConfig(tensorboard=True, wandb=True), **common), root / "off",
+              log=lambda *_: None)
     return root
 
 

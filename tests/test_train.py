@@ -261,7 +261,8 @@ def test_dataset_eval_holds_rows_out_of_training(model_dir, tmp_path):
 def test_in_process_drafter_training_and_the_three_run_comparison(model_dir, tmp_path):
     """workers=1: a due phase trains the engine's drafter in place after the rollout (counted as drafter
     time); `compare` runs off / tlt / frozen side by side and reports the alignment figures."""
-    from tlt.bench.e2e import alignment, cold_start, compare, matching_steps
+    from tlt.bench.e2e import alignment, cold_start, compare
+    from tlt.rl.side_by_side import matching_steps
 
     c = config(model_dir, speculative="adaptive", drafter={**LEARNING, "local_steps": 3}, steps=2, eval={"every": 2},
                max_response_tokens=24)

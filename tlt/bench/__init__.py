@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from tlt.rollout import EngineConfig
 
 BENCHES = {
     "forward": "tlt.bench.forward",
@@ -32,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     return importlib.import_module(args._bench).run(args)
 
 
-def engine_config(system: str, drafter: object | None = None, **fields):
+def engine_config(system: str, drafter: object | None = None, **fields) -> EngineConfig:
     """The EngineConfig a system name of the benchmarks and the audit stands for: "off" (plain decoding),
     "adaptive" (the tuner picks per step, with `drafter`) or a strategy name such as "tree-d4-k2-v8"
     (speculation on with that one strategy). Other `fields` are passed through."""

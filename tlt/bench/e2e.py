@@ -107,9 +107,7 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
     comparison plot to out/e2e.png."""
     from tlt.config import override, to_dict
     from tlt.errors import ConfigError
-    from tlt.io import atomic_write_json
-    from tlt.rl.metrics import MetricsLog
-    from tlt.rl.trainer import GRPOTrainer
+    from tlt.rl.side_by_side import SideBySide, matching_steps, speedups, total
 
     steps = base.steps
     unknown = set(runs) - {"off", "tlt", "frozen"}
@@ -124,58 +122,28 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
     if baseline is not None:
         configs[baseline] = override(base, {"speculative": "off", "rollout_dtype": baseline_dtype,
                                             "loss.old_logprobs": "rollout" if baseline_dtype == "float32" else "recompute"})
-    trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
-    logs = {}
-    for name, c in configs.items():
-        if out is not None:
-            atomic_write_json(out / name / "config.json", to_dict(c))
-        logs[name] = MetricsLog(out / name if out is not None else None)
-    rows: dict[str, list[dict]] = {name: [] for name in trainers}
-    evals: dict[str, list[dict]] = {name: [] for name in trainers}
-    every = base.eval.every or steps
+    side = SideBySide(configs, out)
+    rows, evals = side.rows, side.evals
     log(f"{base.model} model, {base.prompts_per_step} prompts x {base.group_size} samples, {steps} RL steps, "
         f"speculation off vs {tlt_mode}, alternating step by step")
     start = time.perf_counter()
-    for name, trainer in trainers.items():
-        evals[name].append({"step": 0, **trainer.evaluate()})
-        logs[name].write(evals[name][-1])
-    for step in range(1, steps + 1):
-        for name, trainer in trainers.items():
-            row = trainer.train_step()
-            rows[name].append(row)
-            if step % every == 0 or step == steps:
-                evals[name].append({"step": step, **trainer.evaluate()})
-                row = {**row, **evals[name][-1]}
-            logs[name].write(row)
-        parts = "  ".join(f"{name} {rows[name][-1]['time_step_s']:6.2f}s reward {rows[name][-1]['reward']:.3f}"
-                          for name in rows)
-        on = rows["tlt"][-1]
-        log(f"step {step:3d}  {parts}  accept tlt {on['acceptance_length'] or 0:.2f}"
-            f" (drafter {on['drafter_acceptance_length'] or 0:.2f})"
-            + (f" frozen {rows['frozen'][-1]['drafter_acceptance_length'] or 0:.2f}" if "frozen" in rows else ""))
-    for name, trainer in trainers.items():
-        trainer.close()
-        logs[name].close()
+    try:
+        side.evaluate()
+        for step in range(1, steps + 1):
+            latest = side.step()
+            parts = "  ".join(f"{name} {r['time_step_s']:6.2f}s reward {r['reward']:.3f}" for name, r in latest.items())
+            on = latest["tlt"]
+            log(f"step {step:3d}  {parts}  accept tlt {on['acceptance_length'] or 0:.2f}"
+                f" (drafter {on['drafter_acceptance_length'] or 0:.2f})"
+                + (f" frozen {latest['frozen']['drafter_acceptance_length'] or 0:.2f}" if "frozen" in latest else ""))
+    finally:
+        side.close()
 
-    def total(name, key):
-        return sum(r[key] for r in rows[name])
-
-    ratios = {}
-    if "off" in rows:
-        ratios.update({
-            "speedup": total("off", "time_step_s") / total("tlt", "time_step_s"),
-            "speedup_median_step": statistics.median(a["time_step_s"] / b["time_step_s"]
-                                                     for a, b in zip(rows["off"], rows["tlt"])),
-            "rollout_speedup": total("off", "time_rollout_s") / total("tlt", "time_rollout_s"),
-            "rollout_share": total("off", "time_rollout_s") / total("off", "time_step_s"),
-        })
-        # Amdahl: the whole-step speed-up a rollout speed-up r can give when rollout is a share s of an
-        # off step and nothing else changes.
-        s, r = ratios["rollout_share"], ratios["rollout_speedup"]
-        ratios["amdahl_bound"] = 1.0 / ((1.0 - s) + s / r)
+    ratios = speedups(rows["off"], rows["tlt"]) if "off" in rows else {}
     if baseline is not None:
-        ratios[f"speedup_vs_{baseline}"] = total(baseline, "time_step_s") / total("tlt", "time_step_s")
-        ratios[f"rollout_speedup_vs_{baseline}"] = total(baseline, "time_rollout_s") / total("tlt", "time_rollout_s")
+        ratios[f"speedup_vs_{baseline}"] = total(rows[baseline], "time_step_s") / total(rows["tlt"], "time_step_s")
+        ratios[f"rollout_speedup_vs_{baseline}"] = (total(rows[baseline], "time_rollout_s") /
+                                                    total(rows["tlt"], "time_rollout_s"))
     if "frozen" in rows:
         ratios.update(alignment(rows["tlt"], rows["frozen"]))
     first, last = evals["tlt"][0]["eval_accuracy"], evals["tlt"][-1]["eval_accuracy"]
@@ -183,7 +151,7 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
         "config": to_dict(base), "tlt_mode": tlt_mode, "steps": steps, "runs": list(rows),
         "ratios": ratios,
         "accuracy_gain": 100.0 * (last - first),
-        "breakdown_s": {name: {s: total(name, f"time_{s}_s") for s in STAGES} for name in rows},
+        "breakdown_s": {name: {s: total(rows[name], f"time_{s}_s") for s in STAGES} for name in rows},
         "curves": {name: {"reward": [r["reward"] for r in rows[name]], "eval": evals[name],
                           "step_time_s": [r["time_step_s"] for r in rows[name]],
                           "acceptance_length": [r["acceptance_length"] for r in rows[name]],
@@ -262,18 +230,6 @@ def alignment(tlt_rows: list[dict], frozen_rows: list[dict], last: int = 5) -> d
         "drafter_overhead_median_step": statistics.median(a["time_step_s"] / b["time_step_s"]
                                                           for a, b in zip(tlt_rows, frozen_rows)),
     }
-
-
-def matching_steps(a: list[dict], b: list[dict]) -> int:
-    """How many steps, from the first, two runs' rows agree in every response length and the mean
-    reward: with target-only verification (the default arms) a tlt run draws the plain run's very
-    samples, so the runs agree until a rounding difference flips a draw (or for ever)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x["response_lengths"] != y["response_lengths"] or x["reward"] != y["reward"]:
-            break
-        n += 1
-    return n
 
 
 LEARNED_CHAINS = ("tree-d4-k1-v4", "chain-d4")  # the learned drafter's depth-4 chain arms, by preference

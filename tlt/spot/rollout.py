@@ -15,6 +15,7 @@ of every rollout, every worker holds the newest drafter.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from tlt.errors import ConfigError
 from tlt.rollout.stats import RolloutStats
+from tlt.speculative.strategy import Strategy
 from tlt.spot.buffer import OnlineBuffer, favour_long, keep_recent
 from tlt.spot.coordinator import Coordinator, WorkerTimes
 from tlt.spot.config import SpotConfig
@@ -69,10 +71,14 @@ class RolloutReport:
 
 def drafter_acceptance(stats: RolloutStats) -> float | None:
     """Tokens per row per step over the steps whose strategy used the learned drafter (chain, tree)."""
-    from tlt.speculative.strategy import Strategy
+    return stats.acceptance_length(drafts_with_learned)
 
-    learned = {s for s in set(stats.strategies) if Strategy.parse(s).uses_drafter}
-    return stats.acceptance_length(learned.__contains__)
+
+@functools.cache
+def drafts_with_learned(strategy: str) -> bool:
+    """Whether the strategy named `strategy` drafts with the learned drafter; each name is parsed once
+    per process, not at every RL step."""
+    return Strategy.parse(strategy).uses_drafter
 
 
 class DrafterLearning:
