@@ -216,8 +216,9 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
 def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step."""
     from tlt.bench import rotation
-    from tlt.bench.e2e import STAGES, matching_steps
+    from tlt.bench.e2e import STAGES
     from tlt.errors import ConfigError
+    from tlt.rl.side_by_side import matching_steps
     from tlt.rl.trainer import GRPOTrainer
 
     if not arms:
