@@ -133,7 +133,8 @@ def test_attention_matches_sdpa_and_queries_do_not_depend_on_each_other(B, H, Hk
 
 @needs_kernels
 @pytest.mark.parametrize("norm", [True, False])
-def test_rope_write_matches_the_reference_ops(norm):
+@pytest.mark.parametrize("D", [16, 40])
+def test_rope_write_matches_the_reference_ops(norm, D):
     """q/k norm + RoPE + cache write in one kernel against the operators the reference layer runs
     (bf16 norm, bf16 rotation, `KVCache.write`), on rows of unequal length: q and the written keys agree
     within one bf16 rounding, values are copied exactly, and no other slot of the cache changes."""
@@ -141,7 +142,7 @@ def test_rope_write_matches_the_reference_ops(norm):
     from tlt.model.kv_cache import KVCache
     from tlt.model.rope import apply_rope, rope_tables
 
-    B, T, H, Hkv, D = 2, 3, 4, 2, 16
+    B, T, H, Hkv = 2, 3, 4, 2
     gen = torch.Generator().manual_seed(11)
     qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=gen).bfloat16()
     weight = torch.rand(H + Hkv, D, generator=gen) + 0.5
@@ -195,12 +196,13 @@ def test_attention_of_a_tree_node_equals_its_plain_decoding_bit_for_bit():
 
 
 @needs_kernels
-def test_silu_mul_equals_torch_bit_for_bit():
+@pytest.mark.parametrize("M,I", [(37, 90), (17, 1100)])  # rows split across threads; rows split in pieces
+def test_silu_mul_equals_torch_bit_for_bit(M, I):
     """silu(gate) * up as torch computes it in bf16 (silu rounded first), over large and small gates."""
-    gate_up = (bf16(37, 2 * 90, seed=31) * 6).contiguous()
+    gate_up = (bf16(M, 2 * I, seed=31) * 6).contiguous()
     gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, float("inf"), float("-inf")]).bfloat16()
     out = kernels.silu_mul(gate_up)
-    expected = F.silu(gate_up[:, :90]) * gate_up[:, 90:]
+    expected = F.silu(gate_up[:, :I]) * gate_up[:, I:]
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)  # silu(-inf) * up is NaN in both
     # rows independent of the row count
     torch.testing.assert_close(kernels.silu_mul(gate_up[:3]), out[:3], rtol=0, atol=0, equal_nan=True)

@@ -19,10 +19,12 @@
 // as the reference layer rounds them, so the cache holds the same values whichever path wrote it.
 //
 // attention: bf16 queries over bf16 or float32 keys and values (the CPU cache of a bf16 model), the queries of
-// one kv head together. Each key's score takes the same arithmetic wherever it sits, and the weighted
-// sum of values and the sum of weights run in slot order, where masked keys (an additive -inf) add exact
-// zeros: a query's result depends only on the keys it sees, in their order, not on how many queries
-// share the forward or which masked keys lie between.
+// one kv head together. Scores are linear's product of the queries with the head's keys, packed as a
+// weight once per call (a key's score is the same arithmetic wherever it sits), and the weighted sum of
+// values and the sum of weights run in slot order, where masked keys (an additive -inf) add exact zeros:
+// a query's result depends only on the keys it sees, in their order, not on how many queries share the
+// forward or which masked keys lie between. 17 queries per kv head over 217 keys: 95 us a layer against
+// 218 with a reduction per score.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -38,19 +40,25 @@ constexpr int64_t GROUP = 32;  // output columns per packed group: 2 zmm of 16 f
 constexpr int64_t ROWS = 12;   // rows per register block: 12 x 2 accumulators + 2 weights + 1 input
 constexpr int64_t CHUNK = 48;  // rows per task: a weight group (K * 64 bytes) stays in L2 while they pass
 // Weight elements (8 KB) prefetched ahead into L2: compute-heavy blocks (9-12 rows) otherwise stall on the
-// stream (a 9-row product over 230 MB: 9.3 ms against 12.1 without; one row unchanged).
+// stream (a 9-row product over 230 MB: 9.3 ms against 12.1 without; one row unchanged). A group's later row
+// blocks read it from L2 and prefetch the next group instead, so the stream never pauses while they compute
+// (17 rows over 296 MB: 14.2 against 15.2 ms).
 constexpr int64_t PREFETCH = 4096;
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
+// R rows x one group: acc_out[r][c] = sum over pairs p of x[r][2p, 2p+1] . w[p][c]; the lines at prefetch + p * 64
+// elements go to L2 as pair p is read.
 template <int R>
-TARGET void block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, float* acc_out) {
+TARGET void block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, float* acc_out,
+                  const uint16_t* prefetch) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* wp = w + p * GROUP * 2;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + 32), _MM_HINT_T1);
+    const uint16_t* ahead = prefetch + p * GROUP * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 32), _MM_HINT_T1);
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
     for (int r = 0; r < R; ++r) {
@@ -67,7 +75,7 @@ TARGET void block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_
   }
 }
 
-using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, const uint16_t*);
 constexpr Block BLOCKS[ROWS + 1] = {nullptr,   block<1>, block<2>, block<3>,  block<4>,  block<5>, block<6>,
                                     block<7>, block<8>, block<9>, block<10>, block<11>, block<12>};
 
@@ -78,6 +86,11 @@ TARGET inline __m512 load_bf16(__mmask16 m, const uint16_t* p) {
 
 TARGET inline void store_bf16(__mmask16 m, uint16_t* p, __m512 v) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// v rounded to bf16 (to nearest even, as torch rounds), as float32
+TARGET inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
@@ -135,50 +148,117 @@ TARGET inline __m512 exp_nonpositive(__m512 x) {
 TARGET inline __m512 load_kv(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 TARGET inline __m512 load_kv(__mmask16 m, const uint16_t* p) { return load_bf16(m, p); }
 
-// The dot products of four accumulators, summed over their 16 lanes: [sum a, sum b, sum c, sum d].
-TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128-bit lane: a, b, a, b
-  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a, b, c, d
-  __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-// q . k over D = 16 (C - 1) + last elements, lane-wise (C chunks of 16, the last one masked).
-template <int C, typename KV>
-TARGET inline __m512 dot_acc(const float* q, const KV* k, __mmask16 last) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int c = 0; c < C; ++c) {
-    __mmask16 dm = c == C - 1 ? last : (__mmask16)0xffff;
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(dm, q + 16 * c), load_kv(dm, k + 16 * c), acc);
-  }
-  return acc;
-}
-
 constexpr int64_t MAX_CHUNKS = 8;  // head dims up to 128
 
-// R query rows (float32, [R][D]) that share one kv head, over its keys/values [S, D] (row stride ks / vs):
-// row r sees keys 0 .. visible[r] - 1 with the additive mask masks[r] (null: none) and writes out[r]
-// [D] bf16. Keys are read once for all rows (their scores four keys at a time, one reduction for four
-// dot products), values once per four rows. `scores` holds R * (S + 16) floats.
-template <int C, typename KV>
-TARGET void attend_rows(const float* q, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
-                        const float* const* masks, const int64_t* visible, int64_t D, float scale, float* scores,
-                        uint16_t* const* out) {
-  int64_t S = *std::max_element(visible, visible + R), stride = S + 16;
-  __mmask16 last = tail_mask(D - 16 * (C - 1));
-  int64_t s = 0;
-  for (; s + 4 <= S; s += 4)
-    for (int64_t r = 0; r < R; ++r) {
-      const float* qr = q + r * D;
-      _mm_storeu_ps(scores + r * stride + s,
-                    sum4(dot_acc<C>(qr, k + s * ks, last), dot_acc<C>(qr, k + (s + 1) * ks, last),
-                         dot_acc<C>(qr, k + (s + 2) * ks, last), dot_acc<C>(qr, k + (s + 3) * ks, last)));
+// r[i][j] -> r[j][i] for sixteen vectors of sixteen 32-bit elements
+TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
     }
-  const __m512 zero = _mm512_setzero_ps();
-  for (; s < S; ++s)  // the same reduction as a key scored in a block of four (a key's score never depends on S)
-    for (int64_t r = 0; r < R; ++r)
-      scores[r * stride + s] = _mm_cvtss_f32(sum4(dot_acc<C>(q + r * D, k + s * ks, last), zero, zero, zero));
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+inline __mmask16 count_mask(int64_t n) { return n <= 0 ? (__mmask16)0 : tail_mask(n); }
+
+// Pairs p0 .. p0 + 15 of a key's dimensions as 32-bit (bf16, bf16) elements, zero past n of them.
+TARGET inline __m512i key_pairs(const uint16_t* key, int64_t p0, int64_t n) {
+  return _mm512_maskz_loadu_epi32(count_mask(n), key + 2 * p0);
+}
+TARGET inline __m512i key_pairs(const float* key, int64_t p0, int64_t n) {  // float32 holding bf16 values
+  const __m512i upper_halves = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                                27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  __m512i lo = _mm512_castps_si512(_mm512_maskz_loadu_ps(count_mask(2 * n), key + 2 * p0));
+  __m512i hi = _mm512_castps_si512(_mm512_maskz_loadu_ps(count_mask(2 * n - 16), key + 2 * p0 + 16));
+  return _mm512_permutex2var_epi16(lo, upper_halves, hi);
+}
+
+// Keys [S, D] (bf16, or float32 holding bf16 values; row stride ks) packed as linear's weights, one key per
+// output column: packed[g][p][c] = the pair (2p, 2p + 1) of key 32 g + c, zero past S; sixteen keys by
+// sixteen pairs transposed at a time.
+template <typename KV>
+TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, uint32_t* packed) {
+  int64_t pairs = D / 2;
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    uint32_t* group = packed + (s0 / GROUP) * pairs * GROUP + s0 % GROUP;
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = s0 + i < S ? key_pairs(k + (s0 + i) * ks, p0, pairs - p0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t j = 0; j < std::min<int64_t>(16, pairs - p0); ++j) _mm512_storeu_si512(group + (p0 + j) * GROUP, r[j]);
+    }
+  }
+  if (S % GROUP != 0 && S % GROUP <= 16)  // the last group's second half: keys past S
+    for (int64_t p = 0; p < pairs; ++p)
+      _mm512_storeu_si512(packed + (S / GROUP * pairs + p) * GROUP + 16, _mm512_setzero_si512());
+}
+
+// out[r] = bf16(sum over s of p[r][s] v[s] / sum over s of p[r][s]) for N rows of weights p (row stride
+// `stride`) over S values [S, D] (row stride vs), float32 sums in slot order.
+template <int C, int N, typename KV>
+TARGET void weighted_values(const float* p, int64_t stride, int64_t S, const KV* v, int64_t vs, __mmask16 last,
+                            uint16_t* const* out) {
+  __m512 acc[N][C];
+  float total[N];
+  for (int r = 0; r < N; ++r) {
+    total[r] = 0.0f;
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const KV* vr = v + s * vs;
+    for (int r = 0; r < N; ++r) total[r] += p[r * stride + s];
+    for (int c = 0; c < C; ++c) {
+      __m512 vc = load_kv(c == C - 1 ? last : (__mmask16)0xffff, vr + 16 * c);
+      for (int r = 0; r < N; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * stride + s]), vc, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c)
+      store_bf16(c == C - 1 ? last : (__mmask16)0xffff, out[r] + 16 * c,
+                 _mm512_mul_ps(acc[r][c], _mm512_set1_ps(1.0f / total[r])));
+}
+
+// R query rows (bf16, [R][D]) that share one kv head, over its keys/values [S, D] (row stride ks / vs):
+// row r sees keys 0 .. visible[r] - 1 with the additive mask masks[r] (null: none) and writes out[r]
+// [D] bf16. A score is linear's product of the query row and the key (one accumulator over the pairs of
+// dimensions in order, whatever the row's block), the keys packed once for all rows; values are read
+// once per block of rows. `scores` holds R * stride floats (stride: S rounded up to 32, plus 16), `packed`
+// S * D bf16 rounded up to 32 keys.
+template <int C, typename KV>
+TARGET void attend_rows(const uint16_t* q, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
+                        const float* const* masks, const int64_t* visible, int64_t D, float scale, float* scores,
+                        uint32_t* packed, uint16_t* const* out) {
+  int64_t S = *std::max_element(visible, visible + R), stride = (S + GROUP - 1) / GROUP * GROUP + 16;
+  int64_t pairs = D / 2;
+  __mmask16 last = tail_mask(D - 16 * (C - 1));
+  pack_keys(k, ks, S, D, packed);
+  alignas(64) float acc[ROWS * GROUP];
+  for (int64_t s0 = 0; s0 < S; s0 += GROUP) {
+    const uint16_t* group = reinterpret_cast<const uint16_t*>(packed + (s0 / GROUP) * pairs * GROUP);
+    for (int64_t r0 = 0, rows = 0; r0 < R; r0 += rows) {
+      int64_t left = R - r0, blocks = (left + ROWS - 1) / ROWS;
+      rows = (left + blocks - 1) / blocks;
+      BLOCKS[rows](q + r0 * D, D, group, pairs, acc, group);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(scores + (r0 + r) * stride + s0, acc + r * GROUP, GROUP * 4);
+    }
+  }
+  int64_t s = 0;
   for (int64_t r = 0; r < R; ++r) {
     // scale, mask, -inf past the row's keys (up to S rounded up to 16), a max-subtracted exp
     float* sr = scores + r * stride;
@@ -195,36 +275,25 @@ TARGET void attend_rows(const float* q, int64_t R, const KV* k, int64_t ks, cons
     for (s = 0; s < S; s += 16)
       _mm512_storeu_ps(sr + s, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak)));
   }
-  // Weighted values and the weights' sum, four rows at a time, key by key in slot order: weights of
-  // masked keys and keys past a row's are exact zeros, which leave both sums unchanged, so a query's
-  // result does not depend on which other keys sit between the ones it sees (a tree draft's node
-  // equals plain decoding's token bit for bit). Rows past R in the last block of four read row R - 1's
-  // weights again and are not stored.
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
-    const float* p[4];
-    for (int r = 0; r < 4; ++r) p[r] = scores + std::min(r0 + r, R - 1) * stride;
-    __m512 acc[4][C];
-    float total[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int r = 0; r < 4; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (s = 0; s < S; ++s) {
-      const KV* vr = v + s * vs;
-      for (int r = 0; r < 4; ++r) total[r] += p[r][s];
-      for (int c = 0; c < C; ++c) {
-        __m512 vc = load_kv(c == C - 1 ? last : (__mmask16)0xffff, vr + 16 * c);
-        for (int r = 0; r < 4; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][s]), vc, acc[r][c]);
-      }
-    }
-    for (int64_t r = 0; r < std::min<int64_t>(4, R - r0); ++r)
-      for (int c = 0; c < C; ++c)
-        store_bf16(c == C - 1 ? last : (__mmask16)0xffff, out[r0 + r] + 16 * c,
-                   _mm512_mul_ps(acc[r][c], _mm512_set1_ps(1.0f / total[r])));
+  // Weighted values and the weights' sum, key by key in slot order: weights of masked keys and keys past a
+  // row's are exact zeros, which leave both sums unchanged, so a query's result does not depend on which
+  // other keys sit between the ones it sees (a tree draft's node equals plain decoding's token bit for bit).
+  constexpr int BLOCK = C <= 4 ? 6 : 3;  // rows per pass over the values: BLOCK * C accumulators in registers
+  int64_t r0 = 0;
+  for (; r0 + BLOCK <= R; r0 += BLOCK) weighted_values<C, BLOCK>(scores + r0 * stride, stride, S, v, vs, last, out + r0);
+  switch (R - r0) {  // the rest in one block of their own size (each row's sums are the same in any block)
+    case 1: weighted_values<C, 1>(scores + r0 * stride, stride, S, v, vs, last, out + r0); break;
+    case 2: weighted_values<C, 2>(scores + r0 * stride, stride, S, v, vs, last, out + r0); break;
+    case 3: weighted_values<C, 3>(scores + r0 * stride, stride, S, v, vs, last, out + r0); break;
+    case 4: weighted_values<C, 4>(scores + r0 * stride, stride, S, v, vs, last, out + r0); break;
+    case 5: weighted_values<C, 5>(scores + r0 * stride, stride, S, v, vs, last, out + r0); break;
+    default: break;
   }
 }
 
 template <typename KV>
-using Attend = void (*)(const float*, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
-                        const int64_t*, int64_t, float, float*, uint16_t* const*);
+using Attend = void (*)(const uint16_t*, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
+                        const int64_t*, int64_t, float, float*, uint32_t*, uint16_t* const*);
 template <typename KV>
 constexpr Attend<KV> ATTEND[9] = {nullptr, attend_rows<1, KV>, attend_rows<2, KV>, attend_rows<3, KV>,
                                   attend_rows<4, KV>, attend_rows<5, KV>, attend_rows<6, KV>, attend_rows<7, KV>,
@@ -276,11 +345,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
       int64_t g = t / chunks, m_end = std::min(M, (t % chunks + 1) * CHUNK);
       const uint16_t* wg = wp + g * pairs * GROUP * 2;
       int64_t cols = std::min(GROUP, N - g * GROUP);
-      for (int64_t m0 = (t % chunks) * CHUNK, rows = 0; m0 < m_end; m0 += rows) {
+      int64_t m_start = (t % chunks) * CHUNK;
+      for (int64_t m0 = m_start, rows = 0; m0 < m_end; m0 += rows) {
         // the rows left in blocks of at most ROWS, as even as they divide (13 rows: 7 + 6)
         int64_t left = m_end - m0, blocks = (left + ROWS - 1) / ROWS;
         rows = (left + blocks - 1) / blocks;
-        BLOCKS[rows](xp + m0 * xs, xs, wg, pairs, acc);
+        // a later block of one chunk of rows (the task's next group comes next) prefetches that group
+        bool next = m0 > m_start && chunks == 1 && g + 1 < groups;
+        BLOCKS[rows](xp + m0 * xs, xs, wg, pairs, acc, next ? wg + pairs * GROUP * 2 : wg + PREFETCH);
         for (int64_t r = 0; r < rows; ++r)
           finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
                  res ? res + (m0 + r) * res_stride + g * GROUP : nullptr, op + (m0 + r) * N + g * GROUP, cols);
@@ -330,7 +402,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
               "attention: keys and values must be [B, H_kv, S, D] float32 or bf16 with contiguous rows");
   int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0 && S >= T, "attention: q, keys and values disagree");
-  TORCH_CHECK(D <= 16 * MAX_CHUNKS, "attention: head dim above ", 16 * MAX_CHUNKS);
+  TORCH_CHECK(D <= 16 * MAX_CHUNKS && D % 2 == 0, "attention: head dim must be even and at most ", 16 * MAX_CHUNKS);
   const float* mp = nullptr;
   int64_t mb = 0, mt = 0;
   if (mask && mask->defined()) {
@@ -353,7 +425,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   // One task: the group * T query rows of one row's kv head.
   int64_t R = group * T;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(R * (S + 16)), qf(R * D);
+    int64_t keys_up = (S + GROUP - 1) / GROUP * GROUP;
+    std::vector<float> scores(R * (keys_up + 16));
+    std::vector<uint32_t> packed(keys_up * D / 2);
+    std::vector<uint16_t> qb(R * D);
     std::vector<const float*> masks(R);
     std::vector<int64_t> visible(R);
     std::vector<uint16_t*> outs(R);
@@ -361,11 +436,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       int64_t b = i / Hkv, j = i % Hkv;
       for (int64_t r = 0; r < R; ++r) {
         int64_t h = j * group + r / T, t = r % T;
-        const uint16_t* qrow = qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
-        for (int64_t d = 0; d < D; ++d) {
-          uint32_t bits = static_cast<uint32_t>(qrow[d]) << 16;
-          std::memcpy(&qf[r * D + d], &bits, 4);
-        }
+        std::memcpy(&qb[r * D], qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), D * 2);
         masks[r] = mp ? mp + b * mb + t * mt : nullptr;
         visible[r] = mp ? S : S - T + t + 1;
         outs[r] = op + (b * T + t) * H * D + h * D;
@@ -373,35 +444,56 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const char* kh = kp + (b * k.stride(0) + j * k.stride(1)) * item;
       const char* vh = vp + (b * v.stride(0) + j * v.stride(1)) * item;
       if (half)
-        ATTEND<uint16_t>[(D + 15) / 16](qf.data(), R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
+        ATTEND<uint16_t>[(D + 15) / 16](qb.data(), R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                         reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
-                                        visible.data(), D, scale, scores.data(), outs.data());
+                                        visible.data(), D, scale, scores.data(), packed.data(), outs.data());
       else
-        ATTEND<float>[(D + 15) / 16](qf.data(), R, reinterpret_cast<const float*>(kh), k.stride(2),
+        ATTEND<float>[(D + 15) / 16](qb.data(), R, reinterpret_cast<const float*>(kh), k.stride(2),
                                      reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), visible.data(),
-                                     D, scale, scores.data(), outs.data());
+                                     D, scale, scores.data(), packed.data(), outs.data());
     }
   });
   return out;
 }
 
+
 namespace {
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+// v rounded to bf16 at element d of q (bf16) or, q null, of the cache row dst (bf16, or float32 if not half)
+TARGET inline void put_bf16(uint16_t* q, char* dst, bool half, int64_t d, __mmask16 m, __m512 v) {
+  if (q)
+    store_bf16(m, q + d, v);
+  else if (half)
+    store_bf16(m, reinterpret_cast<uint16_t*>(dst) + d, v);
+  else
+    _mm512_mask_storeu_ps(reinterpret_cast<float*>(dst) + d, m, round_bf16(v));
 }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch rounds (NaN kept a NaN)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
+// One head of D elements: a value head (rotate false) is copied; a query or key head is normed (weight
+// non-null: x * rsqrt(mean(x^2) + eps) * weight, rounded to bf16) and rotated (x * cos + roll(x, D / 2) * sin
+// in float32, rounded to bf16). The result goes to q (bf16) or to the cache row dst (bf16, or float32 holding
+// the bf16 value). x: scratch of 2 D floats.
+TARGET void rope_head(const uint16_t* head, int64_t D, bool rotate, const float* weight, float eps, const uint16_t* c,
+                      const uint16_t* sn, float* x, uint16_t* q, char* dst, bool half) {
+  if (!rotate) {
+    for (int64_t d = 0; d < D; d += 16) put_bf16(q, dst, half, d, tail_mask(D - d), load_bf16(tail_mask(D - d), head + d));
+    return;
+  }
+  float scale = 1.0f;
+  if (weight) scale = 1.0f / std::sqrt(sum_squares(head, D) / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    __m512 v = load_bf16(m, head + d);
+    if (weight) v = round_bf16(_mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(scale)), _mm512_maskz_loadu_ps(m, weight + d)));
+    _mm512_mask_storeu_ps(x + d, m, v);
+    _mm512_mask_storeu_ps(x + D + d, m, v);
+  }
+  for (int64_t d = 0; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d), load_bf16(m, c + d)),
+                             _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d + D / 2), load_bf16(m, sn + d)));
+    put_bf16(q, dst, half, d, m, v);
+  }
 }
-
-inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 }  // namespace
 
 // qkv [B, T, H + 2 H_kv, D] bf16 contiguous (heads: H queries, H_kv keys, H_kv values); norm [H + H_kv, D]
@@ -444,46 +536,21 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
   char* kp = static_cast<char*>(keys.data_ptr());
   char* vp = static_cast<char*>(values.data_ptr());
   int64_t item = keys.element_size();
-  // element d of a cached head (bf16 or float32) gets the bf16 value v
-  auto put = [half](char* row, int64_t d, float v) {
-    if (half)
-      reinterpret_cast<uint16_t*>(row)[d] = float_to_bf16(v);
-    else
-      reinterpret_cast<float*>(row)[d] = round_bf16(v);
-  };
   int64_t heads = H + 2 * Hkv, rot = D / 2;
-  at::parallel_for(0, B * T, 16, [&](int64_t i0, int64_t i1) {
-    float x[256];
+  // One item: one head of one token, rounded as the reference layer rounds (see the top of the file).
+  at::parallel_for(0, B * T * heads, 256, [&](int64_t i0, int64_t i1) {
+    alignas(64) float x[512];  // the head twice: x[d + D / 2] is x's rotation by half
     for (int64_t i = i0; i < i1; ++i) {
-      int64_t b = i / T, t = i % T;
-      const uint16_t* row = src + i * heads * D;
+      int64_t b = i / (T * heads), t = i / heads % T, h = i % heads;
+      const uint16_t* head = src + i * D;
       int64_t rope_at = (cos.size(0) == 1 ? 0 : b * cos.stride(0)) + t * cos.stride(1);
-      const uint16_t* c = cp + rope_at;
-      const uint16_t* sn = sp + rope_at;
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint16_t* head = row + h * D;
-        if (h >= H + Hkv) {  // a value head: copied as it is
-          char* dst = vp + (b * values.stride(0) + (h - H - Hkv) * values.stride(1) + (slot[b] + t) * values.stride(2)) * item;
-          for (int64_t d = 0; d < D; ++d) put(dst, d, bf16_to_float(head[d]));
-          continue;
-        }
-        for (int64_t d = 0; d < D; ++d) x[d] = bf16_to_float(head[d]);
-        if (w) {
-          float ss = 0.0f;
-          for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-          float scale = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-          for (int64_t d = 0; d < D; ++d) x[d] = round_bf16(x[d] * scale * w[h * D + d]);
-        }
-        if (h < H) {
-          uint16_t* dst = qp + ((b * H + h) * T + t) * D;
-          for (int64_t d = 0; d < D; ++d)
-            dst[d] = float_to_bf16(x[d] * bf16_to_float(c[d]) + x[(d + rot) % D] * bf16_to_float(sn[d]));
-        } else {
-          char* dst = kp + (b * keys.stride(0) + (h - H) * keys.stride(1) + (slot[b] + t) * keys.stride(2)) * item;
-          for (int64_t d = 0; d < D; ++d)
-            put(dst, d, x[d] * bf16_to_float(c[d]) + x[(d + rot) % D] * bf16_to_float(sn[d]));
-        }
-      }
+      char* dst = nullptr;  // the cache row it goes to, if a key or a value
+      if (h >= H + Hkv)
+        dst = vp + (b * values.stride(0) + (h - H - Hkv) * values.stride(1) + (slot[b] + t) * values.stride(2)) * item;
+      else if (h >= H)
+        dst = kp + (b * keys.stride(0) + (h - H) * keys.stride(1) + (slot[b] + t) * keys.stride(2)) * item;
+      rope_head(head, D, h < H + Hkv, w ? w + h * D : nullptr, static_cast<float>(eps), cp + rope_at, sp + rope_at,
+                x, h < H ? qp + ((b * H + h) * T + t) * D : nullptr, dst, half);
     }
   });
   return q;
@@ -501,9 +568,7 @@ TARGET void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, in
     __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
     __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 sig = _mm512_mask_mul_ps(r, negative, e, r);  // x < 0: e / (1 + e)
-    __m512 silu = _mm512_mul_ps(x, sig);
-    silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
-    store_bf16(m, out + i, _mm512_mul_ps(silu, load_bf16(m, u + i)));
+    store_bf16(m, out + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(x, sig)), load_bf16(m, u + i)));
   }
 }
 }  // namespace
@@ -516,9 +581,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty({M, I}, gate_up.options());
   auto gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  // A few rows (a decode step) on one thread: a fork costs more than the work.
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) silu_mul_row(gp + m * s, gp + m * s + I, op + m * I, I);
+  // Items of 512 elements, 32 to a task at least: a decode step's row stays on one thread (a fork costs
+  // more than its work), a verification's 17 rows split.
+  constexpr int64_t ITEM = 512;
+  int64_t per_row = (I + ITEM - 1) / ITEM;
+  at::parallel_for(0, M * per_row, 32, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t m = i / per_row, c = i % per_row * ITEM, n = std::min(ITEM, I - c);
+      silu_mul_row(gp + m * s + c, gp + m * s + I + c, op + m * I + c, n);
+    }
   });
   return out;
 }
