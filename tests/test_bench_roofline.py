@@ -3,6 +3,7 @@ transformers on the same weights, and the model choices it accepts."""
 
 import argparse
 import json
+import statistics
 
 import pytest
 import torch
@@ -29,7 +30,10 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
     _, folder = hf_folder("qwen3", seed=1)
     assert roofline.run(args_for(folder, tmp_path, dtype=dtype)) == 0
     record = json.loads((tmp_path / "roofline.json").read_text())
-    assert record["bandwidth_gb_s"] > 0 and record["plain_1_row_gb_s"] > 0
+    assert record["bandwidth_gb_s"] > 0 and record["plain_1_row_gb_s"] > 0 and record["bandwidth_before_gb_s"] > 0
+    # one bandwidth read per repeat, between the forwards; the limit takes their median
+    assert len(record["bandwidth_samples_gb_s"]) == 2
+    assert record["bandwidth_gb_s"] == pytest.approx(statistics.median(record["bandwidth_samples_gb_s"]))
     rows = record["rows"]
     expected = {(1, t) for t in roofline.NEW_TOKENS} | {(b, 1) for b in roofline.BATCHES}
     for system in ("tlt", "transformers"):

@@ -3,7 +3,8 @@
 A decode step of a model larger than the last-level cache reads every weight once, so its floor is
 weight bytes / read bandwidth (the "bandwidth limit"), and speculative decoding pays as far as a forward
 over T new tokens costs about one over a single token. The bench measures, in one run:
-  - the machine: read bandwidth (a sum over 1 GB of float32), and the best product throughput of the
+  - the machine: read bandwidth (a sum over 1 GB of float32; once before and once per repeat, in the
+    rotation with the forwards: the limit takes the median of the latter), and the best product throughput of the
     kernels available in the model's dtype: tlt's bf16 kernel (tlt/model/cpu_kernels.py), prepacked
     oneDNN weights and plain `F.linear` at 1 row (GB/s of weight streamed, over weights larger than the
     cache) and at 256 rows (GFLOP/s);
@@ -157,8 +158,12 @@ class HFSystem(System):
         return lambda: self.model(new_ids, use_cache=True, **{self.cache_arg: past}).logits
 
 
-def measure(model, hf, prompt_len: int, repeats: int) -> list[dict[str, Any]]:
-    """Median ms of each (system, batch, new tokens) forward; systems and shapes alternate per repeat."""
+def measure(model, hf, prompt_len: int, repeats: int,
+            probe: Callable[[], Any] | None = None) -> tuple[list[dict[str, Any]], list[float]]:
+    """Median ms of each (system, batch, new tokens) forward; systems and shapes alternate per repeat.
+    With `probe` (a read of BANDWIDTH_BYTES), one timed read per repeat joins the rotation: the read
+    bandwidth in GB/s of each repeat comes back beside the rows, measured under the same load as the
+    forwards (on a shared machine it moves with the neighbours' traffic, 26-52 GB/s here)."""
     import torch
 
     vocab = model.config.vocab_size
@@ -174,9 +179,17 @@ def measure(model, hf, prompt_len: int, repeats: int) -> list[dict[str, Any]]:
         for system in systems:
             for b in ids:
                 system.prefill(b, ids[b])
-        cases = [(s, shape) for shape in shapes for s in systems]
+        cases: list = [(s, shape) for shape in shapes for s in systems] + ([None] if probe else [])
+        bandwidth = []
         for r in range(repeats + 1):  # repeat 0 warms up (packs weights, grows caches)
-            for system, (b, t) in rotation(cases, r):
+            for case in rotation(cases, r):
+                if case is None:
+                    start = time.perf_counter()
+                    probe()
+                    if r:
+                        bandwidth.append(BANDWIDTH_BYTES / (time.perf_counter() - start) / 1e9)
+                    continue
+                system, (b, t) = case
                 # One untimed forward of the same system and shape first: a decode step follows steps of
                 # its own model, not transformers' batch-64 forward (whose memory traffic otherwise lands
                 # on whichever forward follows it in the rotation).
@@ -187,8 +200,9 @@ def measure(model, hf, prompt_len: int, repeats: int) -> list[dict[str, Any]]:
                 seconds = time.perf_counter() - start
                 if r:
                     samples.setdefault((system.name, b, t), []).append(seconds)
-    return [{"system": name, "batch": b, "new_tokens": t, "ms": 1e3 * statistics.median(s), "samples_ms": [1e3 * x for x in s]}
+    rows = [{"system": name, "batch": b, "new_tokens": t, "ms": 1e3 * statistics.median(s), "samples_ms": [1e3 * x for x in s]}
             for (name, b, t), s in samples.items()]
+    return rows, bandwidth
 
 
 def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
@@ -306,16 +320,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"model {args.model}: {weight_bytes / 1e6:.0f} MB of weights per step in {args.dtype}, "
               f"{model.config.num_hidden_layers} layers; threads={torch.get_num_threads()}; measuring the machine ...")
         limits = machine_limits(dtype)
+        data = torch.ones(BANDWIDTH_BYTES // 4)
+        rows, bandwidth = measure(model, hf, args.prompt_len, args.repeats, probe=data.sum)
+        del data
+        # The limit takes the bandwidth read between the forwards; the figure read before them stays beside it.
+        limits["bandwidth_before_gb_s"] = limits["bandwidth_gb_s"]
+        limits["bandwidth_gb_s"] = statistics.median(bandwidth)
+        limits["bandwidth_samples_gb_s"] = bandwidth
         limit_ms = 1e3 * weight_bytes / (limits["bandwidth_gb_s"] * 1e9)
-        rows = measure(model, hf, args.prompt_len, args.repeats)
         shares = time_shares(model, args.prompt_len)
     for r in rows:
         r.update(model=args.model, dtype=args.dtype, weight_bytes=weight_bytes)
     summary = summarize(rows, limit_ms)
     summary["product_share_one_token"] = shares["products"]
     summary["attention_share_one_token"] = shares["attention"]
-    print(" ".join(f"{k} {v:.1f}" for k, v in limits.items()))
-    print(f"bandwidth limit of one step: {limit_ms:.2f} ms (weight bytes / read bandwidth); "
+    print(" ".join(f"{k} {v:.1f}" for k, v in limits.items() if not isinstance(v, list)))
+    print(f"bandwidth limit of one step: {limit_ms:.2f} ms (weight bytes / the median read bandwidth between the forwards); "
           f"cached tokens per row: {args.prompt_len}; medians of {args.repeats} alternating repeats")
     print(format_table(rows, limit_ms))
     print(f"tlt one token: {summary['one_token_vs_limit']:.2f}x the bandwidth limit "
