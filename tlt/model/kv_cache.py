@@ -12,6 +12,7 @@ A forward over T new tokens writes them at slots lengths[b] .. lengths[b]+T-1 (`
 advances the lengths (`advance`). Everything a decoding loop needs afterwards is a method here, so no
 index arithmetic leaks into the engine:
   - `rollback(lengths)`: forget tokens past the given lengths (rejected drafts);
+  - `retract(n)`: forget the last n tokens of every row (a drafter's tree slots, written alike in all rows);
   - `compact(base, keep, counts)`: keep only chosen new slots, moved to follow `base` (the accepted path
     of a tree draft);
   - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch);
@@ -190,6 +191,13 @@ class KVCache:
         if bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
             raise ValueError("rollback can only shorten rows")
         self.lengths = lengths.clone()
+
+    def retract(self, n: int) -> None:
+        """Forget the last `n` tokens of every row: `rollback(lengths - n)` without reading the lengths."""
+        if not 0 <= n <= self.min_length:
+            raise ValueError(f"retract({n}): rows hold {self.min_length} tokens at least")
+        self._lengths = self._lengths - n
+        self._bounds = (self._bounds[0] - n, self._bounds[1] - n)
 
     def compact(self, base: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor) -> None:
         """For row b keep the new slots base[b] + keep[b, j] for j < counts[b], moved to base[b] + j,

@@ -76,18 +76,23 @@ class DraftState:
         """Append k[b] pairs per row (features [B, K, H], tokens [B, K]); `position` [B] is where they
         start, used when the row had nothing pending."""
         B, K = tokens.shape
-        width = int((self.count + k).max())
+        if self.tokens.shape[1] == 0:
+            # Nothing pending in any row (every speculative step): the new pairs become the buffer as they
+            # are. Its width is the largest count, so the next add grows it and never writes into it.
+            self.features, self.tokens = features.to(self.features.dtype), tokens
+            self.count, self.start = k, position
+            return
+        width = int(self.count.max()) + K
         if width > self.tokens.shape[1]:
             # Geometric growth: plain steps add a pair per row every step, and growing by exactly what
             # is needed would copy the whole pending buffer each time (quadratic in the run of steps).
             grow = max(width, 2 * self.tokens.shape[1], MIN_PENDING) - self.tokens.shape[1]
             self.features = torch.cat([self.features, self.features.new_zeros(B, grow, self.features.shape[2])], 1)
             self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(B, grow)], 1)
+        # All K slots after each row's pairs are written; those past its k[b] pairs are not counted.
         slot = self.count[:, None] + torch.arange(K, device=tokens.device)  # [B, K]
-        ok = torch.arange(K, device=tokens.device)[None] < k[:, None]  # [B, K]
-        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, K)
-        self.features[rows[ok], slot[ok]] = features[ok].to(self.features.dtype)
-        self.tokens[rows[ok], slot[ok]] = tokens[ok]
+        self.features.scatter_(1, slot[..., None].expand(B, K, self.features.shape[2]), features.to(self.features.dtype))
+        self.tokens.scatter_(1, slot, tokens)
         self.start = torch.where(self.count == 0, position, self.start)
         self.count = self.count + k
 
@@ -250,7 +255,7 @@ class SpeculativeDecoder:
         out = self.model(batch.last_tokens[:, None], cache=batch.cache, output_layers=self.output_layers)
         layers = stacked_layers(out, self.output_layers) if batch.wants_hidden else None
         result = sample_next(batch, out.logits[:, 0], out.hidden_states[:, 0], None if layers is None else layers[:, 0])
-        self._feed(batch, out, [[0]] * len(result.tokens), result.tokens, base)
+        self._feed(batch, out, torch.tensor(result.tokens, device=base.device), torch.ones_like(base), base)
         return result
 
     def _catch_up(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,10 +277,12 @@ class SpeculativeDecoder:
             visited, emitted, logprobs = walk(out.logits, draft.tokens, draft.parents, draft.depth, batch, counters)
         else:
             visited, emitted, logprobs = self._verify_chain(out.logits, draft, batch, counters)
-        K = max(len(v) for v in visited)
-        keep = torch.tensor([v + [0] * (K - len(v)) for v in visited], device=base.device)
-        batch.cache.compact(base, keep, torch.tensor([len(v) for v in visited], device=base.device))
-        self._feed(batch, out, visited, emitted, base)
+        K = max(map(len, visited))
+        padded = [(v + [0] * (K - len(v)), e + [0] * (K - len(e))) for v, e in zip(visited, emitted)]
+        keep, tokens = torch.tensor(padded, device=base.device).unbind(1)  # [B, K] each: path nodes, their tokens
+        counts = torch.tensor([len(v) for v in visited], device=base.device)  # [B]
+        batch.cache.compact(base, keep, counts)
+        self._feed(batch, out, tokens, counts, base, keep)
         for seq, e in zip(batch.seqs, emitted):
             seq.state.steps += 1
             seq.state.tokens += len(e)
@@ -306,18 +313,17 @@ class SpeculativeDecoder:
             logprobs.append(lp[b, torch.arange(c + 1), torch.tensor(toks)].tolist())
         return visited, emitted, logprobs
 
-    def _feed(self, batch, out, visited, emitted, base) -> None:
-        """Queue the new (feature, token) pairs for the drafter: the feature at each visited node
-        produced the token emitted after it."""
+    def _feed(self, batch, out, tokens: torch.Tensor, counts: torch.Tensor, base: torch.Tensor,
+              nodes: torch.Tensor | None = None) -> None:
+        """Queue the new (feature, token) pairs for the drafter: the feature of the forward `out` at node
+        nodes[b, j] (at position j when None) produced tokens[b, j], for j < counts[b] (tokens and nodes
+        [B, K], counts and base [B]: the first pair's position)."""
         if self.drafter is None:
             return
         feats = self.drafter.target_features(out.hidden_states, out.layer_states)  # [B, N, H]
-        K = max(map(len, emitted))
-        k = torch.tensor([len(e) for e in emitted], device=base.device)
-        nodes = torch.tensor([v + [0] * (K - len(v)) for v in visited], device=base.device)  # [B, K]
-        tokens = torch.tensor([e + [0] * (K - len(e)) for e in emitted], device=base.device)  # [B, K]
-        picked = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))  # [B, K, H]
-        batch.state.add(picked, tokens, k, base)
+        if nodes is not None:
+            feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))  # [B, K, H]
+        batch.state.add(feats, tokens, counts, base)
 
 
 def credit_sources(names: list[list[str]], visited: list[list[int]], emitted: list[list[int]]) -> dict:

@@ -12,7 +12,7 @@ Tree expansion, level by level, batched over rows:
     log-prob; the topk best of the topk^2 children form the next frontier.
 All proposed nodes compete at the end: the `verify_tokens` with the best cumulative log-prob are kept.
 A node's score is below its parent's (log q <= 0, plus a tiny depth penalty for exact ties), so the
-kept set always contains its ancestors. The drafter's cache is rolled back to its committed length.
+kept set always contains its ancestors. The drafter's cache then forgets the draft slots (KVCache.retract).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     position. Chains sample from the warped q (stream 3) so that speculative sampling can use q."""
     B, H = f0.shape
     device = f0.device
-    committed = cache.lengths.clone()
-    k = 1 if strategy.kind == "chain" else strategy.topk
+    chain = strategy.kind == "chain"
+    k = 1 if chain else strategy.topk
     # Pool of proposed nodes (excluding the root), filled level by level: level 1 holds k nodes, every
     # later level k * k (the k children of each of the k frontier nodes), so a node's depth follows
     # from its pool index and pool order is depth order.
@@ -106,9 +106,10 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     # next drafter call is its parents' rows of the last call's mask, then the new nodes themselves.
     frontier_seen = torch.zeros(B, 1, 0, dtype=torch.bool, device=device)
     itself = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
-    root_position = base[:, None]  # [B, 1]
+    root_position = base[:, None].expand(B, k)  # [B, k] a frontier pair sits at its parent's position
+    pooled = written = 0  # nodes in the pool, draft slots written to the drafter cache
     for level in range(1, strategy.depth + 1):
-        if strategy.kind == "chain":
+        if chain:
             lp = warp_logprobs(frontier_logits[:, 0], batch.temperature, batch.top_k, batch.top_p)  # [B, V]
             u = rng.uniform(batch.keys, batch.counters + level, stream=3)
             tok = torch.where(batch.temperature > 0, sample_from(lp, u), lp.argmax(-1))
@@ -116,11 +117,10 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
             child_tok = tok[:, None]  # [B, 1]
             child_score = frontier_score + lp.gather(1, tok[:, None])
         else:
-            lp = frontier_logits.float().log_softmax(-1)  # [B, F, V]
+            lp = frontier_logits.log_softmax(-1, dtype=torch.float32)  # [B, F, V]
             top_lp, top_tok = lp.topk(k, dim=-1)  # [B, F, k]
             child_score = (frontier_score[..., None] + top_lp).flatten(1)  # [B, F*k]
             child_tok = top_tok.flatten(1)  # child j of the frontier descends from frontier node j // k
-        start = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(child_tok)
         pool_parent.append(frontier_index.repeat_interleave(k, 1))
         pool_score.append(child_score - 1e-6 * level)
@@ -129,15 +129,17 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
         # The next frontier: the k best children, run through the drafter.
         frontier_score, best = child_score.topk(k, dim=-1)  # [B, k] (a level has F * k >= k children)
         nxt_tok = child_tok.gather(1, best)
-        parent = best // k  # [B, k] index in the frontier
-        parent_feat = frontier_feat.gather(1, parent[..., None].expand(-1, -1, H))  # [B, k, H]
-        seen = frontier_seen.gather(1, parent[..., None].expand(-1, -1, frontier_seen.shape[2]))  # [B, k, D]
+        parent = (best // k)[..., None]  # [B, k, 1] index in the frontier
+        parent_feat = frontier_feat.gather(1, parent.expand(-1, -1, H))  # [B, k, H]
+        seen = frontier_seen.gather(1, parent.expand(-1, -1, written))  # [B, k, D]
         mask = torch.cat([seen, itself], 2)  # [B, k, D + k]
-        positions = (root_position + (level - 1)).expand_as(nxt_tok)  # pair position = parent's position
+        positions = root_position if level == 1 else root_position + (level - 1)
         f_hat, logits = drafter(nxt_tok, parent_feat, positions, cache=cache, tree_mask=mask)
         frontier_feat, frontier_logits, frontier_seen = f_hat, logits, mask
-        frontier_index = start + best  # pool indices
-    cache.rollback(committed)
+        frontier_index = pooled + best  # pool indices
+        pooled += child_tok.shape[1]
+        written += k
+    cache.retract(written)
     depth = torch.tensor([lv + 1 for lv, t in enumerate(pool_tokens) for _ in range(t.shape[1])], device=device)
     return _select(torch.cat(pool_tokens, 1), torch.cat(pool_parent, 1), torch.cat(pool_score, 1),
                    depth.expand(B, -1), batch.last_tokens, strategy, torch.stack(q_rows, 1) if q_rows else None)
