@@ -188,10 +188,11 @@ def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, a
     if attention_mask is not None:
         keys = torch.cat([torch.ones(B, D, dtype=torch.bool, device=device), attention_mask.bool()], 1)  # [B, D + T]
         allowed = allowed & keys[:, None, :]
-    allowed = allowed.clone()
-    allowed.diagonal(D, -2, -1).fill_(True)  # every token sees itself
-    tail = additive(allowed, dtype).expand(B, T, D + T)  # [B, T, D + T]
-    return torch.cat([torch.zeros(B, T, hi - D, dtype=dtype, device=device), tail], 2)[:, None]
+    mask = torch.zeros(B, 1, T, hi + T, dtype=dtype, device=device)
+    tail = mask[..., hi - D :]  # [B, 1, T, D + T] a view
+    tail.masked_fill_(~allowed.reshape(-1, 1, T, D + T), float("-inf"))
+    tail.diagonal(D, -2, -1).fill_(0.0)  # every token sees itself
+    return mask
 
 
 class OnLMHead:

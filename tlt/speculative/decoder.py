@@ -111,26 +111,26 @@ class DraftState:
         self.tokens = torch.cat([_widen(self.tokens, width), _widen(other.tokens, width)])
         self.count, self.start = torch.cat([self.count, other.count]), torch.cat([self.start, other.start])
 
-    def take(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor]:
-        """The pending pairs (features [B, M, H], tokens [B, M], positions [B, M], valid [B, M], count
-        [B]), at most the last `window` of each row (None: all); pending is emptied."""
+    def take(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor | None, torch.Tensor]:
+        """The pending pairs (features [B, M, H], tokens [B, M], positions [B, M], valid [B, M] or None
+        when every row has M pairs, count [B]), at most the last `window` of each row (None: all);
+        pending is emptied."""
         M = int(self.count.max())
         if window is None or M <= window:
-            arange = torch.arange(M, device=self.count.device)
-            out = (self.features[:, :M], self.tokens[:, :M], self.start[:, None] + arange,
-                   arange[None] < self.count[:, None], self.count)
+            count, arange = self.count, torch.arange(M, device=self.count.device)
+            out = (self.features[:, :M], self.tokens[:, :M], self.start[:, None] + arange)
         else:
             count = self.count.clamp(max=window)
             skip = self.count - count  # [B] the oldest pairs of each row, left out
             arange = torch.arange(window, device=self.count.device)
             index = (skip[:, None] + arange).clamp(max=self.tokens.shape[1] - 1)  # [B, window]
             features = self.features.gather(1, index[..., None].expand(-1, -1, self.features.shape[2]))
-            out = (features, self.tokens.gather(1, index), (self.start + skip)[:, None] + arange,
-                   arange[None] < count[:, None], count)
+            out = (features, self.tokens.gather(1, index), (self.start + skip)[:, None] + arange)
+        uniform = len(count) == 1 or int(count.min()) == len(arange)
         self.features, self.tokens = self.features[:, :0], self.tokens[:, :0]
         self.count = torch.zeros_like(self.count)
-        return out
+        return *out, None if uniform else arange[None] < count[:, None], count
 
 
 def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
