@@ -371,3 +371,19 @@ def test_bf16_logits_within_bf16_rounding_of_transformers_bf16(hf_folder, arch):
     assert model.model.layers[0]._fused.value is not None
     their_error = (theirs - exact).abs().max()
     assert (ours - exact).abs().max() <= 2 * their_error + 1e-2
+
+
+def test_retract_equals_rollback_by_count():
+    """`retract(n)` (a drafter forgetting its tree slots) leaves the lengths and bounds `rollback(lengths - n)`
+    leaves, and refuses to drop more tokens than a row holds."""
+    a, b = KVCache(1, 3, 2, 4), KVCache(1, 3, 2, 4)
+    for cache in (a, b):
+        cache.reserve(16)
+        cache.lengths = torch.tensor([9, 5, 7])
+        cache.advance(4)
+    a.retract(6)
+    b.rollback(torch.tensor([7, 3, 5]))
+    assert torch.equal(a.lengths, b.lengths)
+    assert (a.min_length, a.max_length) == (b.min_length, b.max_length) == (3, 7)
+    with pytest.raises(ValueError):
+        a.retract(4)
