@@ -46,7 +46,8 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
     one = next(r["ms"] for r in rows if (r["system"], r["batch"], r["new_tokens"]) == ("tlt", 1, 1))
     assert s["tlt_one_token_ms"] == one
     assert s["bandwidth_fraction"] == pytest.approx(s["bandwidth_limit_ms"] / one)
-    assert {"t9_vs_t1", "t17_vs_t1", "vs_transformers_batch1", "product_share_one_token"} <= set(s)
+    assert {"t9_vs_t1", "t17_vs_t1", "vs_transformers_batch1", "product_share_one_token", "paired_t17_vs_t1",
+            "paired_one_token_vs_limit"} <= set(s)
 
 
 def test_streamed_bytes_counts_a_tied_head_once(tiny_model):
@@ -75,3 +76,17 @@ def test_roofline_refuses_a_prompt_past_the_context(hf_folder, tmp_path, small_m
     _, folder = hf_folder("llama", seed=2)
     with pytest.raises(TltError, match="--prompt-len 250"):
         roofline.run(args_for(folder, tmp_path, prompt_len=250, no_hf=True))
+
+
+def test_paired_ratios_are_medians_of_the_ratios_within_each_repeat():
+    """A forward slowed by the machine in one repeat moves the ratio of medians but not the paired one."""
+    one = [10.0, 1.0, 2.0]  # ms of the one-token forward in three repeats
+    slow = {17: [15.0, 1.5, 30.0]}  # T=17: 1.5x in two repeats, one slow outlier
+    rows = [{"system": "tlt", "batch": 1, "new_tokens": t, "ms": statistics.median(slow.get(t, one)),
+             "samples_ms": slow.get(t, one)} for t in roofline.NEW_TOKENS]
+    rows += [{"system": "tlt", "batch": b, "new_tokens": 1, "ms": 2.0, "samples_ms": one} for b in roofline.BATCHES]
+    s = roofline.summarize(rows, limit_ms=1.0, limits_ms=[5.0, 0.5, 4.0])
+    assert s["t17_vs_t1"] == pytest.approx(7.5)  # 15 / 2
+    assert s["paired_t17_vs_t1"] == pytest.approx(1.5)
+    assert s["paired_t9_vs_t1"] == pytest.approx(1.0)
+    assert s["paired_one_token_vs_limit"] == pytest.approx(2.0)  # 10/5, 1/0.5, 2/4

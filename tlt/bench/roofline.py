@@ -254,11 +254,18 @@ def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
     return {part: seconds / total for part, seconds in spent.items()}
 
 
-def summarize(rows: list[dict], limit_ms: float) -> dict[str, Any]:
+def summarize(rows: list[dict], limit_ms: float, limits_ms: list[float] | None = None) -> dict[str, Any]:
     """Ratios the targets are stated in: cost of T tokens over 1, fraction of the bandwidth limit,
-    speed over transformers."""
+    speed over transformers; the `paired_` ones are medians of the ratio within each repeat (the two
+    forwards, or the forward and the bandwidth read of `limits_ms`, measured in the same rotation), which
+    a slow stretch of the machine moves less than a ratio of medians."""
     ms = {(r["system"], r["batch"], r["new_tokens"]): r["ms"] for r in rows}
+    samples = {(r["system"], r["batch"], r["new_tokens"]): r["samples_ms"] for r in rows}
     one = ms[("tlt", 1, 1)]
+
+    def paired(a: list[float], b: list[float]) -> float:
+        return statistics.median(x / y for x, y in zip(a, b))
+
     out: dict[str, Any] = {
         "tlt_one_token_ms": one,
         "bandwidth_limit_ms": limit_ms,
@@ -266,7 +273,10 @@ def summarize(rows: list[dict], limit_ms: float) -> dict[str, Any]:
         "bandwidth_fraction": limit_ms / one,
         **{f"t{t}_vs_t1": ms[("tlt", 1, t)] / one for t in NEW_TOKENS[1:]},
         **{f"batch{b}_vs_batch1": ms[("tlt", b, 1)] / one for b in BATCHES},
+        **{f"paired_t{t}_vs_t1": paired(samples[("tlt", 1, t)], samples[("tlt", 1, 1)]) for t in NEW_TOKENS[1:]},
     }
+    if limits_ms:
+        out["paired_one_token_vs_limit"] = paired(samples[("tlt", 1, 1)], limits_ms)
     if ("transformers", 1, 1) in ms:
         out["vs_transformers_batch1"] = ms[("transformers", 1, 1)] / one
         out["vs_transformers"] = {f"b{b}_t{t}": ms[("transformers", b, t)] / ms[("tlt", b, t)]
@@ -331,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         shares = time_shares(model, args.prompt_len)
     for r in rows:
         r.update(model=args.model, dtype=args.dtype, weight_bytes=weight_bytes)
-    summary = summarize(rows, limit_ms)
+    summary = summarize(rows, limit_ms, [1e3 * weight_bytes / (gb_s * 1e9) for gb_s in bandwidth])
     summary["product_share_one_token"] = shares["products"]
     summary["attention_share_one_token"] = shares["attention"]
     print(" ".join(f"{k} {v:.1f}" for k, v in limits.items() if not isinstance(v, list)))
@@ -341,6 +351,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"tlt one token: {summary['one_token_vs_limit']:.2f}x the bandwidth limit "
           f"({100 * summary['bandwidth_fraction']:.0f}% of the read bandwidth), {100 * shares['products']:.0f}% of it in products, {100 * shares['attention']:.0f}% in attention; "
           + ", ".join(f"T={t}: {summary[f't{t}_vs_t1']:.2f}x T=1" for t in NEW_TOKENS[1:])
+          + " (paired within repeats: " + ", ".join(f"T={t} {summary[f'paired_t{t}_vs_t1']:.2f}x" for t in NEW_TOKENS[1:])
+          + f", one token {summary['paired_one_token_vs_limit']:.2f}x the limit)"
           + (f"; {summary['vs_transformers_batch1']:.2f}x faster than transformers at batch 1" if hf is not None else ""))
     record = {
         "config": {"command": shlex.join(sys.argv), "model": args.model, "dtype": args.dtype,
