@@ -68,6 +68,16 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def read_gb_s(seconds: float) -> float:
+    """Read bandwidth of one sum over BANDWIDTH_BYTES that took `seconds`."""
+    return BANDWIDTH_BYTES / seconds / 1e9
+
+
+def step_limit_ms(weight_bytes: int, gb_s: float) -> float:
+    """The bandwidth limit of one step: its weight bytes read at `gb_s`."""
+    return 1e3 * weight_bytes / (gb_s * 1e9)
+
+
 def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
     """Read bandwidth and the best product throughput of the available kernels in `dtype` (module docstring)."""
     import torch
@@ -77,7 +87,7 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
     from tlt.model.packed import ONEDNN
 
     data = torch.ones(BANDWIDTH_BYTES // 4)
-    bandwidth = BANDWIDTH_BYTES / _median_seconds(data.sum, repeats) / 1e9
+    bandwidth = read_gb_s(_median_seconds(data.sum, repeats))
     del data
     count, rows, cols = PRODUCT_WEIGHTS
     weights = [torch.randn(rows, cols).to(dtype) for _ in range(count)]
@@ -187,7 +197,7 @@ def measure(model, hf, prompt_len: int, repeats: int,
                     start = time.perf_counter()
                     probe()
                     if r:
-                        bandwidth.append(BANDWIDTH_BYTES / (time.perf_counter() - start) / 1e9)
+                        bandwidth.append(read_gb_s(time.perf_counter() - start))
                     continue
                 system, (b, t) = case
                 # One untimed forward of the same system and shape first: a decode step follows steps of
@@ -337,11 +347,11 @@ def run(args: argparse.Namespace) -> int:
         limits["bandwidth_before_gb_s"] = limits["bandwidth_gb_s"]
         limits["bandwidth_gb_s"] = statistics.median(bandwidth)
         limits["bandwidth_samples_gb_s"] = bandwidth
-        limit_ms = 1e3 * weight_bytes / (limits["bandwidth_gb_s"] * 1e9)
+        limit_ms = step_limit_ms(weight_bytes, limits["bandwidth_gb_s"])
         shares = time_shares(model, args.prompt_len)
     for r in rows:
         r.update(model=args.model, dtype=args.dtype, weight_bytes=weight_bytes)
-    summary = summarize(rows, limit_ms, [1e3 * weight_bytes / (gb_s * 1e9) for gb_s in bandwidth])
+    summary = summarize(rows, limit_ms, [step_limit_ms(weight_bytes, gb_s) for gb_s in bandwidth])
     summary["product_share_one_token"] = shares["products"]
     summary["attention_share_one_token"] = shares["attention"]
     print(" ".join(f"{k} {v:.1f}" for k, v in limits.items() if not isinstance(v, list)))

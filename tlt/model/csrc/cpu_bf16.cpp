@@ -23,8 +23,8 @@
 // weight once per call (a key's score is the same arithmetic wherever it sits), and the weighted sum of
 // values and the sum of weights run in slot order, where masked keys (an additive -inf) add exact zeros:
 // a query's result depends only on the keys it sees, in their order, not on how many queries share the
-// forward or which masked keys lie between. 17 queries per kv head over 217 keys: 95 us a layer against
-// 218 with a reduction per score.
+// forward or which masked keys lie between. 17 queries per kv head over 217 keys: 90 us a layer against
+// 223 with a lane reduction per score.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -42,7 +42,7 @@ constexpr int64_t CHUNK = 48;  // rows per task: a weight group (K * 64 bytes) s
 // Weight elements (8 KB) prefetched ahead into L2: compute-heavy blocks (9-12 rows) otherwise stall on the
 // stream (a 9-row product over 230 MB: 9.3 ms against 12.1 without; one row unchanged). A group's later row
 // blocks read it from L2 and prefetch the next group instead, so the stream never pauses while they compute
-// (17 rows over 296 MB: 14.2 against 15.2 ms).
+// (17 rows over 296 MB: 17.1 against 17.8 ms, medians of 21 alternating runs).
 constexpr int64_t PREFETCH = 4096;
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -76,6 +76,12 @@ TARGET void block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_
 }
 
 using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, const uint16_t*);
+
+// The next block's rows out of `left`: blocks of at most ROWS, as even as they divide (13 rows: 7 + 6).
+inline int64_t block_rows(int64_t left) {
+  int64_t blocks = (left + ROWS - 1) / ROWS;
+  return (left + blocks - 1) / blocks;
+}
 constexpr Block BLOCKS[ROWS + 1] = {nullptr,   block<1>, block<2>, block<3>,  block<4>,  block<5>, block<6>,
                                     block<7>, block<8>, block<9>, block<10>, block<11>, block<12>};
 
@@ -94,6 +100,7 @@ TARGET inline __m512 round_bf16(__m512 v) {
 }
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+inline __mmask16 count_mask(int64_t n) { return n <= 0 ? (__mmask16)0 : tail_mask(n); }  // n may be <= 0
 
 // out[c] = bf16(acc[c] (+ bias[c]) (+ residual[c])) for c < cols
 TARGET void finish(const float* acc, const float* bias, const uint16_t* residual, uint16_t* out, int64_t cols) {
@@ -174,8 +181,6 @@ TARGET inline void transpose16(__m512i r[16]) {
   }
 }
 
-inline __mmask16 count_mask(int64_t n) { return n <= 0 ? (__mmask16)0 : tail_mask(n); }
-
 // Pairs p0 .. p0 + 15 of a key's dimensions as 32-bit (bf16, bf16) elements, zero past n of them.
 TARGET inline __m512i key_pairs(const uint16_t* key, int64_t p0, int64_t n) {
   return _mm512_maskz_loadu_epi32(count_mask(n), key + 2 * p0);
@@ -252,19 +257,17 @@ TARGET void attend_rows(const uint16_t* q, int64_t R, const KV* k, int64_t ks, c
   for (int64_t s0 = 0; s0 < S; s0 += GROUP) {
     const uint16_t* group = reinterpret_cast<const uint16_t*>(packed + (s0 / GROUP) * pairs * GROUP);
     for (int64_t r0 = 0, rows = 0; r0 < R; r0 += rows) {
-      int64_t left = R - r0, blocks = (left + ROWS - 1) / ROWS;
-      rows = (left + blocks - 1) / blocks;
+      rows = block_rows(R - r0);
       BLOCKS[rows](q + r0 * D, D, group, pairs, acc, group);
       for (int64_t r = 0; r < rows; ++r) std::memcpy(scores + (r0 + r) * stride + s0, acc + r * GROUP, GROUP * 4);
     }
   }
-  int64_t s = 0;
   for (int64_t r = 0; r < R; ++r) {
     // scale, mask, -inf past the row's keys (up to S rounded up to 16), a max-subtracted exp
     float* sr = scores + r * stride;
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (s = 0; s < S; s += 16) {
-      __mmask16 sm = tail_mask(visible[r] - s < 0 ? 0 : visible[r] - s);
+    for (int64_t s = 0; s < S; s += 16) {
+      __mmask16 sm = count_mask(visible[r] - s);
       __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(sm, sr + s), _mm512_set1_ps(scale));
       if (masks[r]) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(sm, masks[r] + s));
       x = _mm512_mask_blend_ps(sm, _mm512_set1_ps(-INFINITY), x);
@@ -272,7 +275,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t R, const KV* k, int64_t ks, c
       top = _mm512_max_ps(top, x);
     }
     __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    for (s = 0; s < S; s += 16)
+    for (int64_t s = 0; s < S; s += 16)
       _mm512_storeu_ps(sr + s, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak)));
   }
   // Weighted values and the weights' sum, key by key in slot order: weights of masked keys and keys past a
@@ -347,9 +350,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
       int64_t cols = std::min(GROUP, N - g * GROUP);
       int64_t m_start = (t % chunks) * CHUNK;
       for (int64_t m0 = m_start, rows = 0; m0 < m_end; m0 += rows) {
-        // the rows left in blocks of at most ROWS, as even as they divide (13 rows: 7 + 6)
-        int64_t left = m_end - m0, blocks = (left + ROWS - 1) / ROWS;
-        rows = (left + blocks - 1) / blocks;
+        rows = block_rows(m_end - m0);
         // a later block of one chunk of rows (the task's next group comes next) prefetches that group
         bool next = m0 > m_start && chunks == 1 && g + 1 < groups;
         BLOCKS[rows](xp + m0 * xs, xs, wg, pairs, acc, next ? wg + pairs * GROUP * 2 : wg + PREFETCH);
@@ -425,13 +426,20 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   // One task: the group * T query rows of one row's kv head.
   int64_t R = group * T;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    // Each thread's scratch lives across calls: a decode step calls this once a layer.
+    thread_local std::vector<float> scores;
+    thread_local std::vector<uint32_t> packed;
+    thread_local std::vector<uint16_t> qb;
+    thread_local std::vector<const float*> masks;
+    thread_local std::vector<int64_t> visible;
+    thread_local std::vector<uint16_t*> outs;
     int64_t keys_up = (S + GROUP - 1) / GROUP * GROUP;
-    std::vector<float> scores(R * (keys_up + 16));
-    std::vector<uint32_t> packed(keys_up * D / 2);
-    std::vector<uint16_t> qb(R * D);
-    std::vector<const float*> masks(R);
-    std::vector<int64_t> visible(R);
-    std::vector<uint16_t*> outs(R);
+    scores.resize(R * (keys_up + 16));
+    packed.resize(keys_up * D / 2);
+    qb.resize(R * D);
+    masks.resize(R);
+    visible.resize(R);
+    outs.resize(R);
     for (int64_t i = i0; i < i1; ++i) {
       int64_t b = i / Hkv, j = i % Hkv;
       for (int64_t r = 0; r < R; ++r) {
@@ -536,7 +544,7 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
   char* kp = static_cast<char*>(keys.data_ptr());
   char* vp = static_cast<char*>(values.data_ptr());
   int64_t item = keys.element_size();
-  int64_t heads = H + 2 * Hkv, rot = D / 2;
+  int64_t heads = H + 2 * Hkv;
   // One item: one head of one token, rounded as the reference layer rounds (see the top of the file).
   at::parallel_for(0, B * T * heads, 256, [&](int64_t i0, int64_t i1) {
     alignas(64) float x[512];  // the head twice: x[d + D / 2] is x's rotation by half
