@@ -17,7 +17,9 @@ STRATEGIES = ["chain-d4", "tree-d4-k4-v16", "ngram-d4"]
 
 @pytest.fixture(scope="module")
 def target():
-    return tlt.load_model("default", device="cuda").eval()
+    model = tlt.load_model("default", device="cuda").eval()
+    assert {p.device.type for p in model.parameters()} == {"cuda"}  # else every test here runs on the CPU
+    return model
 
 
 def tokens_of(outputs):

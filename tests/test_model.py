@@ -47,6 +47,15 @@ def test_rope_scaling_changes_logits(hf_folder):
     assert (a - b).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name", ["default", "qwen3"])
+def test_load_model_puts_every_tensor_on_the_requested_device(hf_folder, name):
+    # The meta device stands in for a GPU: the loaded weights must not stay where safetensors read them.
+    source = hf_folder("qwen3", **ROPE_CASES["qwen3"])[1] if name == "qwen3" else "default"
+    model = tlt.load_model(source, device="meta", dtype=torch.bfloat16)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers(), model.inv_freq]} == {"meta"}
+    assert model.device.type == "meta" and model.dtype == torch.bfloat16
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     from conftest import tiny_hf_model
 
