@@ -1,4 +1,5 @@
-"""scripts/profile_decode.py's summary of py-spy's collapsed stacks, on a hand-made profile."""
+"""The scripts: profile_decode.py's summary of py-spy's collapsed stacks (on a hand-made profile) and
+rollout_fingerprint.py's samples hash."""
 
 from pathlib import Path
 
@@ -44,3 +45,22 @@ def test_summary_refuses_a_profile_without_decode_steps(tmp_path, script):
     raw.write_text("load (x.py:5) 3\n")
     with pytest.raises(SystemExit, match="no samples inside RolloutEngine.step"):
         script("profile_decode").summarize(raw, top=5)
+
+
+def test_rollout_fingerprint_gives_every_target_only_system_the_same_samples(script, capsys, monkeypatch):
+    import json
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["rollout_fingerprint", "--prompts", "2", "--samples", "2", "--max-tokens", "24",
+                                      "--threads", "1"])
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        script("rollout_fingerprint").main()
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"off", "tree-d4-k2-v8", "adaptive"}
+    assert len({r["samples_sha256"] for r in result.values()}) == 1
+    assert all(r["tokens"] > 0 and r["wall_s"] > 0 for r in result.values())
