@@ -51,11 +51,11 @@ def test_rollout_fingerprint_gives_every_target_only_system_the_same_samples(scr
     import json
     import sys
 
-    monkeypatch.setattr(sys, "argv", ["rollout_fingerprint", "--prompts", "2", "--samples", "2", "--max-tokens", "24",
-                                      "--threads", "1"])
     import torch
 
-    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", ["rollout_fingerprint", "--prompts", "2", "--samples", "2", "--max-tokens", "24",
+                                      "--threads", "1"])
+    threads = torch.get_num_threads()  # the script sets its own; the rest of the suite keeps this one
     try:
         script("rollout_fingerprint").main()
     finally:
