@@ -7,7 +7,7 @@ system (plain decoding, a fixed tree, the adaptive engine), each after an untime
 prints one JSON line: per system the wall seconds, the tokens and a hash of every sample's token ids.
 Only the public API is used, so the same file runs against older and newer checkouts. Run it
 alternately from both checkouts, a few times each, and compare the hashes (they must be equal) and the
-paired ratio of the times (noise on a shared machine: about 0.9-1.1 a run)."""
+median of the paired time ratios (single pairs spread 0.6-1.4 on the project's shared 2-core machine)."""
 
 from __future__ import annotations
 

@@ -54,6 +54,9 @@ def test_load_model_puts_every_tensor_on_the_requested_device(hf_folder, name):
     model = tlt.load_model(source, device="meta", dtype=torch.bfloat16)
     assert {t.device.type for t in [*model.parameters(), *model.buffers(), model.inv_freq]} == {"meta"}
     assert model.device.type == "meta" and model.dtype == torch.bfloat16
+    # Built on the meta device, a model loaded onto the CPU keeps no tensor behind there.
+    model = tlt.load_model(source)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers(), model.inv_freq]} == {"cpu"}
 
 
 def test_sharded_checkpoint_loads(tmp_path):

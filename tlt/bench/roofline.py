@@ -264,7 +264,7 @@ def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
     return {part: seconds / total for part, seconds in spent.items()}
 
 
-def summarize(rows: list[dict], limit_ms: float, limits_ms: list[float] | None = None) -> dict[str, Any]:
+def summarize(rows: list[dict], limit_ms: float, limits_ms: list[float]) -> dict[str, Any]:
     """Ratios the targets are stated in: cost of T tokens over 1, fraction of the bandwidth limit,
     speed over transformers; the `paired_` ones are medians of the ratio within each repeat (the two
     forwards, or the forward and the bandwidth read of `limits_ms`, measured in the same rotation), which
@@ -284,9 +284,8 @@ def summarize(rows: list[dict], limit_ms: float, limits_ms: list[float] | None =
         **{f"t{t}_vs_t1": ms[("tlt", 1, t)] / one for t in NEW_TOKENS[1:]},
         **{f"batch{b}_vs_batch1": ms[("tlt", b, 1)] / one for b in BATCHES},
         **{f"paired_t{t}_vs_t1": paired(samples[("tlt", 1, t)], samples[("tlt", 1, 1)]) for t in NEW_TOKENS[1:]},
+        "paired_one_token_vs_limit": paired(samples[("tlt", 1, 1)], limits_ms),
     }
-    if limits_ms:
-        out["paired_one_token_vs_limit"] = paired(samples[("tlt", 1, 1)], limits_ms)
     if ("transformers", 1, 1) in ms:
         out["vs_transformers_batch1"] = ms[("transformers", 1, 1)] / one
         out["vs_transformers"] = {f"b{b}_t{t}": ms[("transformers", b, t)] / ms[("tlt", b, t)]

@@ -156,9 +156,9 @@ def load_model(
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
             )
+    # The meta-device model takes the loaded tensors as its parameters (assign=True), each moved to the
+    # device here: one copy of the weights on the device, never an empty model beside them.
     device = torch.device(device or "cpu")
-    model = model.to_empty(device=device)
-    # assign=True makes the given tensors the parameters, so they go to the device here.
     model.load_state_dict({k: v.to(device=device, dtype=target) for k, v in tensors.items()}, strict=False, assign=True)
     model.to(dtype=target)  # also lays the loaded weights out (`ColumnMajorLinears`)
     if config.tie_word_embeddings:
