@@ -150,3 +150,29 @@ def test_engine_config_maps_system_names():
     assert (fixed.speculative, fixed.strategy, fixed.drafter) == ("on", "tree-d4-k2-v8", drafter)
     with pytest.raises(ConfigError, match="catch_up_window"):
         engine_config("off", catch_up_window=0)
+
+
+def test_drafter_bits_run_each_drafting_strategy_at_each_width(tiny_folders, monkeypatch):
+    """drafter_bits=[16, 4]: every drafting strategy runs twice, `S` on the drafter as it is and `S:q4` on
+    its 4-bit weights (each with its own drafter), plain decoding and n-gram drafts once; the 4-bit systems
+    count among the strategies of the ratios."""
+    model_dir, drafter_dir = tiny_folders
+    seen = []
+    run_engine = speculative.run_engine
+
+    def engine_spy(model, drafter, batches, strategy, temperature, max_tokens, repeat, bits=16):
+        seen.append((strategy, bits, None if drafter is None else id(drafter)))
+        return run_engine(model, drafter, batches, strategy, temperature, max_tokens, repeat, bits)
+
+    monkeypatch.setattr(speculative, "run_engine", engine_spy)
+    record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off", "tree-d3-k2-v4", "ngram-d4"],
+                                 max_tokens=8, repeats=1, prompts_per_run=2, dtype="bfloat16", skip_hf=True,
+                                 drafter_bits=[16, 4], log=lambda s: None)
+    assert [r["strategy"] for r in record["rows"]] == ["off", "tree-d3-k2-v4", "tree-d3-k2-v4:q4", "ngram-d4"]
+    assert record["config"]["drafter_bits"] == [16, 4]
+    assert "tree-d3-k2-v4:q4" in record["ratios"]["speedup_vs_off"]
+    trees = {(bits, drafter) for strategy, bits, drafter in seen if strategy == "tree-d3-k2-v4"}
+    assert {bits for bits, _ in trees} == {16, 4} and len({d for _, d in trees}) == 2
+    with pytest.raises(ConfigError, match="drafter-bits"):
+        speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off"], drafter_bits=[8],
+                            log=lambda s: None)

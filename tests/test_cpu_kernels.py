@@ -42,6 +42,42 @@ def test_linear_matches_float32_and_rows_do_not_depend_on_the_row_count(M, K, N)
 
 
 @needs_kernels
+@pytest.mark.parametrize("M,K,N", [(1, 256, 64), (2, 768, 100), (5, 128, 33), (13, 384, 70), (49, 256, 40), (3, 100, 32)])
+def test_four_bit_linear_multiplies_by_the_unpacked_weight_and_rows_do_not_depend_on_the_row_count(M, K, N):
+    """4-bit weights (groups of 128 inputs; one group for K = 100): the product equals x times the weight
+    the codes stand for (`unpack4`) within bf16 rounding, with bias and residual, every row the same bit for
+    bit alone or among others; the rounded weight is within half a level of the original."""
+    x, w, residual = bf16(M, K, seed=11), bf16(N, K, seed=12), bf16(M, N, seed=13)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(14))
+    codes, scales = cpu_kernels.pack4(w)
+    kgroups = K // cpu_kernels.QGROUP if K % cpu_kernels.QGROUP == 0 else 1
+    assert codes.dtype == torch.uint8 and codes.shape == (-(-N // 32), K // 2, 32)
+    assert scales.shape == (-(-N // 32), kgroups, 2, 32)
+    rounded = cpu_kernels.unpack4(codes, scales, N)
+    level = (w.float().view(N, kgroups, -1).amax(-1) - w.float().view(N, kgroups, -1).amin(-1)) / 15
+    assert ((rounded - w.float()).view(N, kgroups, -1).abs() <= level[..., None] / 2 * 1.001 + 1e-7).all()
+    out = kernels.linear(x, codes, N, bias, residual, scales)
+    exact = x.float() @ rounded.t() + bias + residual.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert (out.float() - exact).abs().max() <= 0.01 * exact.abs().max()
+    for i in range(M):
+        assert torch.equal(kernels.linear(x[i : i + 1], codes, N, bias, residual[i : i + 1], scales)[0], out[i])
+    with pytest.raises(RuntimeError, match="scales"):
+        kernels.linear(x, codes, N, None, None)
+
+
+@needs_kernels
+def test_four_bit_codes_of_evenly_spaced_weights_are_exact():
+    """A weight that takes 16 evenly spaced values in each group of 128 inputs is stored exactly."""
+    gen = torch.Generator().manual_seed(15)
+    low, step = torch.randn(64, 2, 1, generator=gen), torch.rand(64, 2, 1, generator=gen) + 0.1
+    levels = torch.randint(0, 16, (64, 2, 128), generator=gen)
+    levels[..., 0], levels[..., 1] = 0, 15
+    w = (low + step * levels).view(64, 256)
+    assert torch.allclose(cpu_kernels.unpack4(*cpu_kernels.pack4(w), 64), w, rtol=0, atol=1e-5)
+
+
+@needs_kernels
 def test_linear_refuses_mismatched_inputs():
     weight = cpu_kernels.pack(bf16(64, 32))
     with pytest.raises(RuntimeError, match="columns"):
@@ -209,20 +245,25 @@ def test_silu_mul_equals_torch_bit_for_bit(M, I):
 
 
 @needs_kernels
-@pytest.mark.parametrize("input_norm", [True, False])
+@pytest.mark.parametrize("input_norm,bits", [(True, 16), (False, 16), (False, 4)])
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_layer_step_equals_its_operators_one_by_one(input_norm, masked, cache_dtype):
+def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, cache_dtype):
     """The whole layer in one call gives the bits of the kernels called one at a time (norm, q|k|v, q/k
     norm with RoPE and the cache write, attention, o + residual, norm, gate|up, silu * up, down +
-    residual: `layer_step_ops`), on rows of unequal length, and writes the same cache."""
+    residual: `layer_step_ops`), on rows of unequal length, and writes the same cache; also on 4-bit
+    weights (a drafter's layer)."""
     from tlt.model.kv_cache import KVCache
     from tlt.model.rope import rope_tables
 
     B, T, hidden, H, Hkv, D, inter = 2, 3, 64, 4, 2, 16, 96
     weights = [bf16((H + 2 * Hkv) * D, hidden, seed=41), bf16(hidden, H * D, seed=42),
                bf16(2 * inter, hidden, seed=43), bf16(hidden, inter, seed=44)]
-    packs, sizes = [cpu_kernels.pack(w) for w in weights], [w.shape[0] for w in weights]
+    sizes = [w.shape[0] for w in weights]
+    if bits == 4:
+        packs, scales = map(list, zip(*(cpu_kernels.pack4(w) for w in weights)))
+    else:
+        packs, scales = [cpu_kernels.pack(w) for w in weights], [None] * 4
     biases = [torch.randn(sizes[0], generator=torch.Generator().manual_seed(45)), None, None, None]
     qk_norm = torch.rand(H + Hkv, D, generator=torch.Generator().manual_seed(46)) + 0.5
     x = bf16(B, T, hidden, seed=47)
@@ -243,12 +284,12 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, masked, cache_dt
         mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
     eps = 1e-6 if input_norm else -1.0
     keys, values, S = caches[0].buffers(0, T)
-    out = kernels.layer_step(x, eps, packs, sizes, biases, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
+    out = kernels.layer_step(x, eps, packs, sizes, biases, scales, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
                              caches[0].lengths, S, mask)
 
     keys1, values1, _ = caches[1].buffers(0, T)
-    expected = cpu_kernels.layer_step_ops(kernels, x, eps, packs, sizes, biases, H, qk_norm, 1e-5, 1e-6, cos, sin,
-                                          keys1, values1, caches[1].lengths, S, mask)
+    expected = cpu_kernels.layer_step_ops(kernels, x, eps, packs, sizes, biases, scales, H, qk_norm, 1e-5, 1e-6, cos,
+                                          sin, keys1, values1, caches[1].lengths, S, mask)
     assert torch.equal(out, expected)
     assert torch.equal(caches[0].store, caches[1].store)
 

@@ -42,7 +42,7 @@ class AdaptiveDecoder:
     @classmethod
     def from_config(cls, model, config: EngineConfig, log) -> "AdaptiveDecoder":
         """The decoder of speculative="adaptive"; `log` takes the tuner's reports."""
-        drafter = drafter_for(config.drafter, model)
+        drafter = drafter_for(config, model)
         tuner = Tuner(config.tuner or TunerConfig(), log=log)
         spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window)
         return cls(spec, tuner, config.max_draft_tokens)

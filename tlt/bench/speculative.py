@@ -13,7 +13,9 @@ acceptance_length is tokens per row per speculative step (accepted drafts + 1). 
 weights' dtype of every system (tlt's target and drafter, transformers' model and assistant): bfloat16
 is what GPU rollouts run; on a CPU its products of a few rows cost more than float32's and of many rows
 less, so it moves the ratios. `--baseline-dtype D` adds plain decoding with weights in D (`off_D`) at
-every batch size, and each row's `speedup_vs_off_D` / `paired_vs_off_D` over it.
+every batch size, and each row's `speedup_vs_off_D` / `paired_vs_off_D` over it. `--drafter-bits 16,4`
+runs every drafting strategy with the drafter's weights as they are and rounded to 4 bits
+(`EngineConfig.drafter_bits`; systems named `STRATEGY:q4`), side by side.
 
 At batch 1 transformers runs too: plain `generate` ("hf") and assisted generation with sampling
 ("hf-assisted-2layer", speculative sampling against a draft model). The default model has no smaller
@@ -65,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the weights' dtype for every system, tlt's and transformers' alike")
     parser.add_argument("--baseline-dtype", choices=DTYPE_NAMES, default=None,
                         help="also run plain decoding with weights in this dtype (`off_<dtype>`, at every batch size)")
+    parser.add_argument("--drafter-bits", type=_positive_ints, default=[16], metavar="BITS,...",
+                        help="drafter weights: 16 (as they are), 4 (rounded, the system STRATEGY:q4), or both")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 
@@ -80,10 +84,10 @@ def covered(b: int, total: int) -> int:
 
 
 def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, temperature: float, max_tokens: int,
-               repeat: int) -> dict:
+               repeat: int, drafter_bits: int = 16) -> dict:
     from tlt.rollout import RolloutEngine, SamplingParams
 
-    engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False))
+    engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False, drafter_bits=drafter_bits))
     wall = tokens = 0
     for k, prompts in enumerate(batches):
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=(repeat + 1) * 1000 + k * len(prompts) + i)
@@ -155,6 +159,7 @@ def measure(
     task: str = "arithmetic",
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+    drafter_bits: list[int] = (16,),
 ) -> dict[str, Any]:
     """Run the benchmark; returns the JSON record: `config`, `rows`, `ratios`."""
     import shlex
@@ -178,16 +183,22 @@ def measure(
 
     device = resolve_device(device, "--device")
     model, tokenizer = load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
+    if not drafter_bits or any(b not in (4, 16) for b in drafter_bits) or len(set(drafter_bits)) < len(drafter_bits):
+        raise ConfigError(f"--drafter-bits must list 16 and/or 4 once each, got {list(drafter_bits)}")
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
-    drafter = Drafter.load(drafter_path, model) if needs_drafter else None
+    # one drafter per width, so no run rebuilds the other's prepared weights inside its timing
+    drafters = {bits: Drafter.load(drafter_path, model) for bits in drafter_bits} if needs_drafter else {}
     problems = get_task(task).sample(max(covered(b, prompts_per_run) for b in batch_sizes), seed=seed, split="eval")
     prompts = [tokenizer.encode(p.prompt) for p in problems]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    def engine_system(strategy: str, target=model):
-        return lambda batch, n, r: run_engine(target, drafter, batch, strategy, temperature, n, r)
+    def engine_system(strategy: str, target=model, bits: int = drafter_bits[0]):
+        return lambda batch, n, r: run_engine(target, drafters.get(bits), batch, strategy, temperature, n, r, bits)
 
-    systems = {s: engine_system(s) for s in strategies}
+    systems = {}
+    for s in strategies:
+        widths = drafter_bits if Strategy.parse(s).uses_drafter else drafter_bits[:1]
+        systems.update({s if bits == 16 else f"{s}:q{bits}": engine_system(s, bits=bits) for bits in widths})
     baseline = baseline_name(baseline_dtype, dtype)
     if baseline is not None:
         systems[baseline] = engine_system("off", load_model(folder, dtype=baseline_dtype, device=device))
@@ -242,11 +253,13 @@ def measure(
         "model": str(model_path), "task": task, "drafter": str(drafter_path) if needs_drafter else None,
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
+        "drafter_bits": list(drafter_bits),
         "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "baseline_dtype": baseline_dtype,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
     }
-    return {"config": config, "rows": rows, "ratios": make_ratios(rows, strategies, baseline)}
+    names = [name for name in systems if name != baseline]  # the strategies, with their :q4 variants
+    return {"config": config, "rows": rows, "ratios": make_ratios(rows, names, baseline)}
 
 
 def make_rows(results: dict[tuple[int, str], list[dict]], errors: dict[str, str], baseline: str | None = None) -> list[dict]:
@@ -336,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     fill_workload_defaults(args)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
                      args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype, args.baseline_dtype,
-                     args.task)
+                     args.task, drafter_bits=args.drafter_bits)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size; paired: the median over repeats of "

@@ -110,19 +110,57 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(groups, GROUP, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def layer_step_ops(module, x, input_eps, weights, sizes, biases, H, qk_norm, qk_eps, post_eps, cos, sin, keys,
-                   values, slots, S, mask):
+QGROUP = 128  # input features per scale of 4-bit weights (csrc/cpu_bf16.cpp QGROUP_PAIRS x 2)
+
+
+def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K even) rounded to 16 levels per output column and k-group of QGROUP inputs (one
+    group when K is not a multiple of it), evenly spaced from the group's least to its greatest value ->
+    (codes [ceil(N / 32), K / 2, 32] uint8, scales [ceil(N / 32), K / QGROUP or 1, 2, 32] float32). Byte i
+    of pair p holds the code of column i / 2 (k = 2p + i % 2) in its low nibble, of column 16 + i / 2 in its
+    high one; the weight is scale * code + low, and scales hold scale, then shift = low - 128 scale, the
+    form the kernel adds (it multiplies codes as the bf16 numbers 128 + code)."""
+    N, K = weight.shape
+    groups = -(-N // GROUP)
+    kgroup = QGROUP if K % QGROUP == 0 else K
+    w = F.pad(weight.detach().float(), (0, 0, 0, groups * GROUP - N)).view(groups * GROUP, K // kgroup, kgroup)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+    codes = ((w - low) / scale).round_().clamp_(0, 15).to(torch.uint8).view(groups, GROUP, K // 2, 2)
+    codes = codes.permute(0, 2, 1, 3)  # [G, K / 2, 32 columns, 2]
+    packed = codes[:, :, :16].reshape(groups, K // 2, GROUP) | (codes[:, :, 16:].reshape(groups, K // 2, GROUP) << 4)
+    scales = torch.stack([scale, low - 128 * scale], dim=1).squeeze(-1)  # [G * 32, 2, K / kgroup]
+    scales = scales.view(groups, GROUP, 2, K // kgroup).permute(0, 3, 2, 1).contiguous()
+    return packed.contiguous(), scales
+
+
+def unpack4(packed: torch.Tensor, scales: torch.Tensor, N: int) -> torch.Tensor:
+    """The float32 weight [N, K] that pack4's output stands for (what the kernel multiplies by)."""
+    groups, pairs, _ = packed.shape
+    codes = torch.stack([packed & 15, packed >> 4], dim=2).view(groups, pairs, GROUP, 2)  # [G, P, 32, 2]
+    codes = codes.permute(0, 2, 1, 3).reshape(groups * GROUP, 2 * pairs).float()
+    scale, shift = scales[:, :, 0].permute(0, 2, 1), scales[:, :, 1].permute(0, 2, 1)  # [G, 32, K / kgroup]
+    kgroups = scales.shape[1]
+    scale = scale.reshape(groups * GROUP, kgroups, 1)
+    low = shift.reshape(groups * GROUP, kgroups, 1) + 128 * scale
+    weight = codes.view(groups * GROUP, kgroups, -1) * scale + low
+    return weight.view(groups * GROUP, -1)[:N]
+
+
+def layer_step_ops(module, x, input_eps, weights, sizes, biases, scales, H, qk_norm, qk_eps, post_eps, cos, sin,
+                   keys, values, slots, S, mask):
     """The compiled `layer_step` as its kernels called one at a time from Python (the same bits): what
     `tlt bench roofline` times call by call to split a step into products and attention."""
     B, T, hidden = x.shape
     D = keys.shape[3]
     x2 = x.view(B * T, hidden)
     normed = x2 if input_eps < 0 else module.rms_norm(x2[None], None, input_eps)[0]
-    qkv = module.linear(normed, weights[0], sizes[0], biases[0], None).view(B, T, sizes[0] // D, D)
+    qkv = module.linear(normed, weights[0], sizes[0], biases[0], None, scales[0]).view(B, T, sizes[0] // D, D)
     if cos.dim() == 4:
         cos, sin = cos[:, :, 0], sin[:, :, 0]
     q = module.rope_write(qkv, H, qk_norm, qk_eps, cos, sin, keys, values, slots)
     attended = module.attention(q, keys[:, :, :S], values[:, :, :S], mask).view(B * T, -1)
-    h = module.linear(attended, weights[1], sizes[1], biases[1], x2)
-    gate_up = module.linear(module.rms_norm(h[None], None, post_eps)[0], weights[2], sizes[2], biases[2], None)
-    return module.linear(module.silu_mul(gate_up), weights[3], sizes[3], biases[3], h).view(B, T, hidden)
+    h = module.linear(attended, weights[1], sizes[1], biases[1], x2, scales[1])
+    gate_up = module.linear(module.rms_norm(h[None], None, post_eps)[0], weights[2], sizes[2], biases[2], None,
+                            scales[2])
+    return module.linear(module.silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view(B, T, hidden)

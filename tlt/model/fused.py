@@ -104,10 +104,13 @@ class FusedWeights:
         self.weights = [p.weight for p in products]
         self.sizes = [p.out_features for p in products]
         self.biases = [p.bias for p in products]
+        self.scales = [p.scales for p in products]
         self.on_kernels = all(p.kernels is not None for p in products)
 
     @classmethod
-    def build(cls, layer: nn.Module) -> "FusedWeights":
+    def build(cls, layer: nn.Module, bits: int = 16) -> "FusedWeights":
+        """The layer's prepared weights; bits=4 rounds them to 4 bits where tlt's kernels take them
+        (`PackedLinear`)."""
         a, mlp, norm_in, norm_post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
         identity = isinstance(norm_in, nn.Identity)
         with torch.no_grad():
@@ -121,11 +124,11 @@ class FusedWeights:
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * norm_post.weight
             return cls(a.heads, a.kv_heads, a.head_dim, None if identity else norm_in.eps,
                        a.q_norm.eps if a.qk_norm else 0.0, norm_post.eps,
-                       PackedLinear(qkv, _stack_bias(a.q_proj, a.k_proj, a.v_proj)), qk_norm,
+                       PackedLinear(qkv, _stack_bias(a.q_proj, a.k_proj, a.v_proj), bits), qk_norm,
                        None if qk_norm is None else qk_norm.float().contiguous(),
-                       PackedLinear(a.o_proj.weight, a.o_proj.bias),
-                       PackedLinear(gate_up, _stack_bias(mlp.gate_proj, mlp.up_proj)),
-                       PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias))
+                       PackedLinear(a.o_proj.weight, a.o_proj.bias, bits),
+                       PackedLinear(gate_up, _stack_bias(mlp.gate_proj, mlp.up_proj), bits),
+                       PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, bits))
 
 
 def _normed(x: torch.Tensor, eps: float, kernels=None) -> torch.Tensor:
@@ -158,8 +161,8 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
         # The whole layer in one call of the kernels (the operators below, without a Python call each).
         keys, values, S = cache.buffers(index, T)
         return kernels.layer_step(x.contiguous(), -1.0 if fused.input_eps is None else fused.input_eps,
-                                  fused.weights, fused.sizes, fused.biases, H, fused.qk_norm_f32, fused.qk_eps,
-                                  fused.post_eps, cos, sin, keys, values, cache.lengths, S, mask)
+                                  fused.weights, fused.sizes, fused.biases, fused.scales, H, fused.qk_norm_f32,
+                                  fused.qk_eps, fused.post_eps, cos, sin, keys, values, cache.lengths, S, mask)
     x2 = x.reshape(B * T, hidden)
     qkv = fused.qkv(x2 if fused.input_eps is None else _normed(x2, fused.input_eps, kernels)).view(B, T, H + 2 * Hkv, D)
     qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]

@@ -17,7 +17,9 @@ weights of at least PACK_MIN_BYTES; smaller float32 weights (the default model's
 column-major layout of tlt/model/layout.py, whose MKL products are the faster there.
 
 `PackedLinear` is a frozen snapshot of one weight (and bias), rebuilt by its holder's `Prepared` when the
-parameter changes. Where oneDNN is missing or cannot pack (a CPU build without it, a GPU tensor) the
+parameter changes. With bits=4 (a drafter's products, `Drafter.set_weight_bits`) a bf16 weight that tlt's
+kernel takes is rounded to 16 levels per column and 128 inputs (`cpu_kernels.pack4`): a quarter of the
+bytes to stream; other weights ignore it. Where oneDNN is missing or cannot pack (a CPU build without it, a GPU tensor) the
 same object multiplies the plain weight.
 """
 
@@ -68,12 +70,18 @@ class PackedLinear:
     A packed weight is a copy, a plain one may be a view of the parameter: either way the owner rebuilds
     this object when the parameter changes."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 16) -> None:
+        if bits not in (4, 16):
+            raise ValueError(f"bits must be 4 or 16, got {bits!r}")
         weight, bias = weight.detach(), None if bias is None else bias.detach()
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels_for(weight)
         self.packed = self.kernels is not None or should_pack(weight)
-        if self.kernels is not None:
+        self.scales = None  # of 4-bit weights
+        if self.kernels is not None and bits == 4:
+            (self.weight, self.scales), self.weight_t = cpu_kernels.pack4(weight), None
+            bias = None if bias is None else bias.float().contiguous()
+        elif self.kernels is not None:
             self.weight, self.weight_t = cpu_kernels.pack(weight), None
             bias = None if bias is None else bias.float().contiguous()
         elif self.packed:
@@ -89,7 +97,7 @@ class PackedLinear:
         """x [..., in] -> [..., out]."""
         if self.kernels is not None:
             rows = _rows(x.reshape(-1, self.in_features))
-            out = self.kernels.linear(rows, self.weight, self.out_features, self.bias, None)
+            out = self.kernels.linear(rows, self.weight, self.out_features, self.bias, None, self.scales)
             return out.view(*x.shape[:-1], self.out_features)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
@@ -101,7 +109,7 @@ class PackedLinear:
         """residual + x @ weight^T (+ bias), both 2-D: residual [N, out], x [N, in]; the sum is formed
         inside the product."""
         if self.kernels is not None:
-            return self.kernels.linear(_rows(x), self.weight, self.out_features, self.bias, _rows(residual))
+            return self.kernels.linear(_rows(x), self.weight, self.out_features, self.bias, _rows(residual), self.scales)
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(self._padded(x), self._padded(residual), self.weight, self.bias, "add")
             return out[: x.shape[0]]
@@ -146,10 +154,10 @@ class Prepared:
         return {"key": None, "sources": [], "value": None}
 
 
-def inference_linear(prepared: Prepared, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)`, through a PackedLinear of its current weights held in `prepared` when no gradient
-    is recorded."""
+def inference_linear(prepared: Prepared, linear: torch.nn.Linear, x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """`linear(x)`, through a PackedLinear of its current weights (`bits` as PackedLinear's) held in
+    `prepared` when no gradient is recorded."""
     if torch.is_grad_enabled():
         return linear(x)
     w, b = linear.weight, linear.bias
-    return prepared.get([w] if b is None else [w, b], lambda: PackedLinear(w, b))(x)
+    return prepared.get([w] if b is None else [w, b], lambda: PackedLinear(w, b, bits))(x)

@@ -111,10 +111,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         self._fused = Prepared()  # FusedWeights
         self._tables = [m._parameters for m in self.modules()]  # what the fused weights are keyed by
+        self.weight_bits = 16  # of the fused weights: 4 rounds them (a drafter's, FusedWeights.build)
 
     def fused_weights(self) -> FusedWeights:
         """The weights of the fused inference step (tlt/model/fused.py), rebuilt when a parameter changed."""
-        return self._fused.get(parameters_of(self._tables), lambda: FusedWeights.build(self))
+        return self._fused.get(parameters_of(self._tables), lambda: FusedWeights.build(self, self.weight_bits))
+
+    def set_weight_bits(self, bits: int) -> None:
+        """Fused weights of 16 bits (the parameters' values) or rounded to 4 (a drafter's, where tlt's CPU
+        kernels take them); rebuilt at the next inference step."""
+        if bits not in (4, 16):
+            raise ValueError(f"bits must be 4 or 16, got {bits!r}")
+        self.weight_bits, self._fused = bits, Prepared()
 
     def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
         if uses_fused_step(x):

@@ -21,7 +21,9 @@ class EngineConfig:
     strategies). `strategy` is read only with "on" and `tuner` only with "adaptive". A request for more
     samples than max_batch_size runs in parts (scheduler.py). catch_up_window: a drafting
     step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
-    the newest (None: all); see SpeculativeDecoder."""
+    the newest (None: all); see SpeculativeDecoder. drafter_bits: 4 drafts on the drafter's weights
+    rounded to 4 bits where tlt's bf16 CPU kernels run it (a quarter of the bytes; the samples are
+    unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits)."""
 
     max_batch_size: int = 256
     kv_budget_tokens: int | None = None
@@ -34,6 +36,7 @@ class EngineConfig:
     tuner: object | None = None
     max_draft_tokens: int = 8192
     catch_up_window: int | None = 16
+    drafter_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.speculative not in ("off", "on", "adaptive"):
@@ -56,6 +59,8 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig field 'strategy' {strategy.name!r} needs a drafter (chain and tree "
                                   "strategies draft with a learned one): give drafter= (a Drafter, a folder or "
                                   "'default'), or a model-free strategy such as ngram-d4")
+        if self.drafter_bits not in (4, 16):
+            raise ConfigError(f"EngineConfig field 'drafter_bits' must be 4 or 16, got {self.drafter_bits!r}")
         window = self.catch_up_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ConfigError(f"EngineConfig field 'catch_up_window' must be an int >= 1 or None, "

@@ -140,9 +140,17 @@ def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], 1)
 
 
-def drafter_for(drafter, model) -> Drafter | None:
-    """EngineConfig.drafter as a Drafter: one given as such, or loaded from a folder or "default"."""
-    return drafter if drafter is None or isinstance(drafter, Drafter) else Drafter.load(drafter, model)
+def drafter_for(config: EngineConfig, model) -> Drafter | None:
+    """EngineConfig.drafter as a Drafter (one given as such, or loaded from a folder or "default"),
+    drafting on weights of `config.drafter_bits` (`Drafter.set_weight_bits`)."""
+    drafter = config.drafter
+    if drafter is None:
+        return None
+    if not isinstance(drafter, Drafter):
+        drafter = Drafter.load(drafter, model)
+    if drafter.weight_bits != config.drafter_bits:
+        drafter.set_weight_bits(config.drafter_bits)
+    return drafter
 
 
 class SpeculativeDecoder:
@@ -159,7 +167,7 @@ class SpeculativeDecoder:
     @classmethod
     def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":
         """The decoder of speculative="on": every step drafts with `config.strategy`."""
-        return cls(model, drafter_for(config.drafter, model), Strategy.of(config.strategy), config.catch_up_window)
+        return cls(model, drafter_for(config, model), Strategy.of(config.strategy), config.catch_up_window)
 
     # --- engine hooks (rollout.decoding.Decoder) ---------------------------------------------------
     def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[RowDraft]]:

@@ -94,6 +94,7 @@ class Drafter(ColumnMajorLinears, nn.Module):
         self.__dict__["target"] = target
         self.fc = nn.Linear(2 * H, H, bias=True)
         self._fc = Prepared()  # fc's PackedLinear for inference
+        self.weight_bits = 16  # of fc's and the layer's inference weights (set_weight_bits)
         self.layer = DecoderLayer(layer_config(target.config), input_norm=False)
         if self.config.feature_layers:
             self.fuse = nn.Linear(len(self.config.feature_layers) * H, H, bias=False)
@@ -114,6 +115,17 @@ class Drafter(ColumnMajorLinears, nn.Module):
                     if m.bias is not None:
                         m.bias.zero_()
         return drafter
+
+    def set_weight_bits(self, bits: int) -> None:
+        """Draft on weights rounded to 4 bits (bits=4) or on the parameters' values (16). At 4 bits fc's and
+        the layer's products, where tlt's bf16 CPU kernels run them, stream a quarter of the bytes: a
+        drafter's forward over a few tokens is bound by streaming its weights (fc and the layer are about a
+        tenth of a 12-layer policy's, and a depth-4 draft reads them four times a step). Elsewhere (float32,
+        a GPU) the drafter drafts on its parameters as they are. Rounding changes only what is drafted:
+        verification is the target's, so the samples stay those of plain decoding. Training reads the
+        parameters, never the rounded copy."""
+        self.layer.set_weight_bits(bits)
+        self.weight_bits, self._fc = bits, Prepared()
 
     def new_cache(self, batch_size: int, **kwargs) -> KVCache:
         c = self.target.config
@@ -146,7 +158,8 @@ class Drafter(ColumnMajorLinears, nn.Module):
         pairs (training; attention_mask marks real pairs, a position 0 starts a new packed sequence)."""
         target = self.target
         embedded = F.embedding(tokens, target.model.embed_tokens.weight.detach())  # [B, T, H], frozen
-        x = inference_linear(self._fc, self.fc, torch.cat([embedded.to(features.dtype), features], dim=-1))  # [B, T, H]
+        x = inference_linear(self._fc, self.fc, torch.cat([embedded.to(features.dtype), features], dim=-1),
+                             self.weight_bits)  # [B, T, H]
         B, T = tokens.shape
         if cache is None:
             mask = additive(training_mask(attention_mask, position_ids, B, T, x.device), x.dtype)

@@ -10,6 +10,8 @@
 // accumulator summed over k in increasing pairs, whichever row block, task or thread computes it and
 // however many rows are multiplied: a row's result is the same bit for bit at every M (a draft's
 // verification sees the logits plain decoding sees).
+// 4-bit weights (a drafter's, where a few rows' products stream its weights from memory) take the same
+// path on a quarter of the bytes (block4).
 //
 // rms_norm: out = bf16(x * rsqrt(mean(x^2) + eps) (* weight)) over the last dimension, in float32.
 //
@@ -77,6 +79,54 @@ TARGET void block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_
 
 using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, const uint16_t*);
 
+// 4-bit weights (a drafter's, cpu_kernels.pack4): per 32-column group, pair p is 32 bytes whose byte i holds,
+// in its low nibble, code m of element i of the bf16 pair line of columns 0-15 (column i / 2, k = 2p + i % 2)
+// and, in its high nibble, the same element for columns 16-31. A code m becomes the bf16 number 128 + m in
+// two integer operations (zero-extend, then OR the exponent of 128 into the mantissa's low bits), so the
+// products run on vdpbf16ps as bf16 weights do. Weight w[k][c] = scale[j][c] m + low[j][c] over the k-group j
+// of QGROUP_PAIRS pairs, so per k-group and row the block adds scale * acc + shift * xsum, shift = low - 128
+// scale and xsum the row's sum of x over the k-group (linear4 computes it once per row).
+constexpr int64_t QGROUP_PAIRS = 64;  // pairs (128 k) per quantization group
+template <int R>
+TARGET void block4(const uint16_t* x, int64_t x_stride, const uint8_t* w, int64_t pairs, const float* scale_shift,
+                   const float* xsum, int64_t qgroups, float* acc_out, const uint8_t* prefetch) {
+  const __m512i exponent = _mm512_set1_epi16(0x4300), nibble = _mm512_set1_epi16(0x000f);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc_out + r * GROUP, _mm512_setzero_ps());
+    _mm512_storeu_ps(acc_out + r * GROUP + 16, _mm512_setzero_ps());
+  }
+  int64_t per_group = pairs / qgroups;
+  for (int64_t j = 0; j < qgroups; ++j) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = j * per_group; p < (j + 1) * per_group; ++p) {
+      if (!(p & 1)) _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 32), _MM_HINT_T1);
+      __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
+      // (codes & 0xf) | 0x4300 and (codes >> 4) | 0x4300
+      __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(codes, nibble, exponent, 0xea);
+      __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(codes, 4), exponent);
+      for (int r = 0; r < R; ++r) {
+        __m512bh xb = (__m512bh)_mm512_castps_si512(
+            _mm512_set1_ps(*reinterpret_cast<const float*>(x + r * x_stride + 2 * p)));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+      }
+    }
+    const float* ss = scale_shift + j * 2 * GROUP;  // scale[32], then shift[32]
+    __m512 s0 = _mm512_loadu_ps(ss), s1 = _mm512_loadu_ps(ss + 16);
+    __m512 b0 = _mm512_loadu_ps(ss + GROUP), b1 = _mm512_loadu_ps(ss + GROUP + 16);
+    for (int r = 0; r < R; ++r) {
+      __m512 xs = _mm512_set1_ps(xsum[r * qgroups + j]);
+      float* o = acc_out + r * GROUP;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(s0, acc[r][0], _mm512_fmadd_ps(b0, xs, _mm512_loadu_ps(o))));
+      _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(s1, acc[r][1], _mm512_fmadd_ps(b1, xs, _mm512_loadu_ps(o + 16))));
+    }
+  }
+}
+
+using Block4 = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const float*, const float*, int64_t, float*,
+                        const uint8_t*);
+
 // The next block's rows out of `left`: blocks of at most ROWS, as even as they divide (13 rows: 7 + 6).
 inline int64_t block_rows(int64_t left) {
   int64_t blocks = (left + ROWS - 1) / ROWS;
@@ -84,6 +134,9 @@ inline int64_t block_rows(int64_t left) {
 }
 constexpr Block BLOCKS[ROWS + 1] = {nullptr,   block<1>, block<2>, block<3>,  block<4>,  block<5>, block<6>,
                                     block<7>, block<8>, block<9>, block<10>, block<11>, block<12>};
+constexpr Block4 BLOCKS4[ROWS + 1] = {nullptr,    block4<1>, block4<2>,  block4<3>,  block4<4>,
+                                      block4<5>,  block4<6>, block4<7>,  block4<8>,  block4<9>,
+                                      block4<10>, block4<11>, block4<12>};
 
 TARGET inline __m512 load_bf16(__mmask16 m, const uint16_t* p) {
   __m256i h = _mm256_maskz_loadu_epi16(m, p);
@@ -111,6 +164,12 @@ TARGET void finish(const float* acc, const float* bias, const uint16_t* residual
     if (residual) v = _mm512_add_ps(v, load_bf16(m, residual + c));
     store_bf16(m, out + c, v);
   }
+}
+
+TARGET float sum_values(const uint16_t* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_add_ps(acc, load_bf16(tail_mask(n - i), x + i));
+  return _mm512_reduce_add_ps(acc);
 }
 
 TARGET float sum_squares(const uint16_t* x, int64_t n) {
@@ -310,17 +369,31 @@ bool supported() {
          __builtin_cpu_supports("avx512bf16");
 }
 
-// x [M, K] bf16 (rows contiguous), packed [G, K / 2, 64, 2] bf16, bias [N] float32 or undefined,
-// residual [M, N] bf16 (rows contiguous) or undefined -> [M, N] bf16.
+// x [M, K] bf16 (rows contiguous), packed [G, K / 2, 32, 2] bf16, bias [N] float32 or undefined,
+// residual [M, N] bf16 (rows contiguous) or undefined -> [M, N] bf16. 4-bit weights (block4): packed
+// [G, K / 2, 32] uint8 with scales [G, K / 128 (or 1), 2, 32] float32 (scale, then shift, per k-group).
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                     c10::optional<torch::Tensor> residual) {
+                     c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
               "linear: x must be [M, K] bf16 with contiguous rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == GROUP && packed.size(3) == 2,
-              "linear: packed must come from cpu_kernels.pack");
+  bool four = packed.scalar_type() == torch::kUInt8;
+  if (four) {
+    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == GROUP && scales && scales->defined(),
+                "linear: 4-bit weights must come from cpu_kernels.pack4, with their scales");
+  } else {
+    TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == GROUP && packed.size(3) == 2 &&
+                packed.scalar_type() == torch::kBFloat16, "linear: packed must come from cpu_kernels.pack");
+  }
   int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), pairs = packed.size(1);
   TORCH_CHECK(pairs * 2 == K, "linear: x has ", K, " columns, the packed weight ", pairs * 2);
   TORCH_CHECK(N > (groups - 1) * GROUP && N <= groups * GROUP, "linear: N does not match the packed weight");
+  int64_t qgroups = 0;
+  if (four) {
+    qgroups = scales->dim() == 4 ? scales->size(1) : 0;
+    TORCH_CHECK(scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() && qgroups > 0 &&
+                scales->size(0) == groups && scales->size(2) == 2 && scales->size(3) == GROUP &&
+                (qgroups == 1 || qgroups * QGROUP_PAIRS == pairs), "linear: scales must come from cpu_kernels.pack4");
+  }
   const float* b = nullptr;
   if (bias && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
@@ -338,22 +411,34 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
   auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr());
   int64_t xs = x.stride(0), chunks = (M + CHUNK - 1) / CHUNK;
+  // 4-bit weights: each row's sum of x over each k-group (the codes' offset, block4)
+  std::vector<float> xsum(four ? M * qgroups : 0);
+  for (int64_t m = 0; m < (four ? M : 0); ++m)
+    for (int64_t j = 0; j < qgroups; ++j) xsum[m * qgroups + j] = sum_values(xp + m * xs + j * (K / qgroups), K / qgroups);
+  const uint16_t* wp = four ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const uint8_t* wq = four ? packed.data_ptr<uint8_t>() : nullptr;
+  const float* sp = four ? scales->data_ptr<float>() : nullptr;
   // One task: one weight group times one chunk of rows.
   at::parallel_for(0, groups * chunks, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) float acc[ROWS * GROUP];
     for (int64_t t = t0; t < t1; ++t) {
       int64_t g = t / chunks, m_end = std::min(M, (t % chunks + 1) * CHUNK);
-      const uint16_t* wg = wp + g * pairs * GROUP * 2;
       int64_t cols = std::min(GROUP, N - g * GROUP);
       int64_t m_start = (t % chunks) * CHUNK;
       for (int64_t m0 = m_start, rows = 0; m0 < m_end; m0 += rows) {
         rows = block_rows(m_end - m0);
         // a later block of one chunk of rows (the task's next group comes next) prefetches that group
         bool next = m0 > m_start && chunks == 1 && g + 1 < groups;
-        BLOCKS[rows](xp + m0 * xs, xs, wg, pairs, acc, next ? wg + pairs * GROUP * 2 : wg + PREFETCH);
+        if (four) {
+          const uint8_t* wg = wq + g * pairs * GROUP;
+          BLOCKS4[rows](xp + m0 * xs, xs, wg, pairs, sp + g * qgroups * 2 * GROUP, xsum.data() + m0 * qgroups, qgroups,
+                        acc, next ? wg + pairs * GROUP : wg + PREFETCH);
+        } else {
+          const uint16_t* wg = wp + g * pairs * GROUP * 2;
+          BLOCKS[rows](xp + m0 * xs, xs, wg, pairs, acc, next ? wg + pairs * GROUP * 2 : wg + PREFETCH);
+        }
         for (int64_t r = 0; r < rows; ++r)
           finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
                  res ? res + (m0 + r) * res_stride + g * GROUP : nullptr, op + (m0 + r) * N + g * GROUP, cols);
@@ -605,36 +690,40 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // One decoder layer's inference step on the packed weights of tlt/model/fused.py's FusedWeights, the
 // operators fused_layer_step calls one by one, in one call: x [B, T, hidden] bf16 contiguous;
 // input_eps < 0: no input norm (a drafter's layer); weights[i] packed for linear, sizes[i] its N,
-// biases[i] float32 or undefined, for i = q|k|v, o, gate|up, down; qk_norm as rope_write's; cos, sin
+// biases[i] float32 or undefined, scales[i] those of 4-bit weights or undefined, for i = q|k|v, o, gate|up,
+// down; qk_norm as rope_write's; cos, sin
 // [B or 1, T, (1,) D]; keys, values the layer's cache buffers with room for T more per row, slots [B] the
 // rows' lengths, S the slots attention reads; mask as attention's over those S slots.
 torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::Tensor> weights,
-                         std::vector<int64_t> sizes, std::vector<c10::optional<torch::Tensor>> biases, int64_t H,
+                         std::vector<int64_t> sizes, std::vector<c10::optional<torch::Tensor>> biases,
+                         std::vector<c10::optional<torch::Tensor>> scales, int64_t H,
                          c10::optional<torch::Tensor> qk_norm, double qk_eps, double post_eps, torch::Tensor cos,
                          torch::Tensor sin, torch::Tensor keys, torch::Tensor values, torch::Tensor slots, int64_t S,
                          c10::optional<torch::Tensor> mask) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "layer_step: x must be [B, T, hidden], contiguous");
-  TORCH_CHECK(weights.size() == 4 && sizes.size() == 4 && biases.size() == 4, "layer_step: four products expected");
+  TORCH_CHECK(weights.size() == 4 && sizes.size() == 4 && biases.size() == 4 && scales.size() == 4,
+              "layer_step: four products expected");
   int64_t B = x.size(0), T = x.size(1), hidden = x.size(2), D = keys.size(3);
   TORCH_CHECK(S <= keys.size(2), "layer_step: S past the cache buffers");
   if (cos.dim() == 4) cos = cos.select(2, 0), sin = sin.select(2, 0);  // rope tables [B or 1, T, 1, D]
   auto x2 = x.view({B * T, hidden});
   auto normed = input_eps < 0 ? x2 : rms_norm(x2.unsqueeze(0), c10::nullopt, input_eps).squeeze(0);
-  auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt);
+  auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt, scales[0]);
   auto q = rope_write(qkv.view({B, T, sizes[0] / D, D}), H, qk_norm, qk_eps, cos, sin, keys, values, slots);
   auto ks = keys.narrow(2, 0, S), vs = values.narrow(2, 0, S);
   auto attended = attention(q, ks, vs, mask).view({B * T, -1});
-  auto h = linear(attended, weights[1], sizes[1], biases[1], x2);
+  auto h = linear(attended, weights[1], sizes[1], biases[1], x2, scales[1]);
   auto gate_up = linear(rms_norm(h.unsqueeze(0), c10::nullopt, post_eps).squeeze(0), weights[2], sizes[2], biases[2],
-                        c10::nullopt);
-  return linear(silu_mul(gate_up), weights[3], sizes[3], biases[3], h).view({B, T, hidden});
+                        c10::nullopt, scales[2]);
+  return linear(silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view({B, T, hidden});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write);
   m.def("attention", &attention);
   m.def("supported", &supported);
-  m.def("linear", &linear);
+  m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("residual"),
+        py::arg("scales") = py::none());
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("layer_step", &layer_step);
