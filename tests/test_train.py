@@ -156,6 +156,7 @@ def test_run_directory_holds_metrics_checkpoints_and_eval(model_dir, tmp_path):
     ({"tuner.arms": "off,bushy-d3"}, "field 'tuner.arms'.*bushy"),
     ({"drafter.catch_up_window": "-1"}, "field 'drafter.catch_up_window' must be an integer >= 0"),
     ({"drafter.unroll": "0"}, "field 'drafter.unroll' must be an integer >= 1"),
+    ({"drafter.bits": "8"}, "field 'drafter.bits' must be one of"),
 ])
 def test_bad_config_names_the_key(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -228,6 +229,13 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
     assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+
+
+def test_drafter_bits_reach_the_engines_drafter(model_dir):
+    trainer = GRPOTrainer(config(model_dir, speculative="adaptive", drafter={"model": "random", "train": "off",
+                                                                              "bits": 4}))
+    assert trainer.engine.decoder.spec.drafter.weight_bits == 4
+    trainer.close()
 
 
 def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_dir):

@@ -44,6 +44,8 @@ class SpotConfig:
     hot_swap_every: int = setting(0, "> 0: the spot trainer's drafter goes into tail workers every N optimizer steps")
     catch_up_window: int = setting(16, "pairs per row a drafting step after plain ones feeds the drafter, the newest "
                                    "(0: all; see speculative/decoder.py)")
+    bits: int = setting(16, "weights the engines draft on: 16 (as trained) or 4 (rounded where tlt's bf16 CPU kernels "
+                        "run the drafter: a quarter of the bytes; the samples are unchanged)")
 
     def __post_init__(self) -> None:
         check_choice(self, "train", WHEN)
@@ -52,6 +54,8 @@ class SpotConfig:
             check_int(self, name, 1)
         for name in ("warmup_steps", "max_steps", "local_steps", "hot_swap_every", "catch_up_window"):
             check_int(self, name, 0)
+        check_int(self, "bits", 4)
+        check_choice(self, "bits", (4, 16))
         check(self, "train_fraction", 0 < self.train_fraction <= 1, "in (0, 1]")
         check(self, "lr", self.lr > 0, "> 0")
         check(self, "grad_clip", self.grad_clip > 0, "> 0")
