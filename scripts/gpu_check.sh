@@ -44,7 +44,7 @@ fi
 
 if want rollout_bf16; then
     step "rollout in bf16 (what GPU rollouts run) beside float32 plain decoding"
-    timeout 120 $PY -m tlt.cli bench rollout --device cuda --repeats 3 --adaptive --skip-hf --dtype bfloat16 \
+    timeout 240 $PY -m tlt.cli bench rollout --device cuda --repeats 3 --adaptive --skip-hf --dtype bfloat16 \
         --baseline-dtype float32 --strategies tree-d4-k2-v8 --json "$OUT/rollout_bf16.json" \
         --plot "$OUT/rollout_bf16.png" 2>&1 | tail -20 | tee "$OUT/rollout_bf16.log" || status=1
 fi

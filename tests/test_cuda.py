@@ -87,3 +87,19 @@ def test_grpo_step_with_drafter_training_on_cuda(tmp_path):
         assert rows[-1]["drafter_phase_steps"] == 2 and rows[-1]["drafter_version"] == 2
     finally:
         trainer.close()
+
+
+def test_bf16_decoding_on_cuda_never_plans_cudnn_attention():
+    """A bf16 decode step attends over one more key each step; cuDNN's attention would plan anew for each
+    shape (5 ms of CPU a call), so tlt's attention keeps it out: a bf16 rollout runs no cuDNN attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tlt.load_model("default", dtype=torch.bfloat16, device="cuda").eval()
+    prompts = prompts_for(3)
+    params = tlt.SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        outputs = tlt.RolloutEngine(model).generate(prompts, params)
+    names = {event.key for event in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names
+    assert not any("cudnn_attention" in name for name in names)
+    assert all(len(ids) == 32 for ids in tokens_of(outputs))
