@@ -78,6 +78,28 @@ def test_four_bit_codes_of_evenly_spaced_weights_are_exact():
 
 
 @needs_kernels
+@pytest.mark.skipif(kernels is None or not kernels.amx(), reason="this CPU has no AMX (or the OS does not grant it)")
+@pytest.mark.parametrize("M,K,N", [(1, 64, 64), (9, 768, 100), (16, 256, 130), (17, 512, 33), (49, 64, 200)])
+def test_amx_tiles_agree_with_the_avx512_blocks(M, K, N):
+    """Where the CPU has AMX, products whose K is a multiple of 32 take its tiles at every row count (the
+    row-count test above then checks the tiles): within bf16 rounding of the AVX-512 blocks, and both
+    within it of the float32 product."""
+    x, w, residual = bf16(M, K, seed=21), bf16(N, K, seed=22), bf16(M, N, seed=23)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(24))
+    weight = cpu_kernels.pack(w)
+    try:
+        tiles = kernels.linear(x, weight, N, bias, residual)
+        kernels.set_amx(False)
+        blocks = kernels.linear(x, weight, N, bias, residual)
+    finally:
+        kernels.set_amx(True)
+    exact = x.float() @ w.float().t() + bias + residual.float()
+    for out in (tiles, blocks):
+        assert (out.float() - exact).abs().max() <= 0.01 * exact.abs().max()
+    assert (tiles.float() - blocks.float()).abs().max() <= 0.01 * exact.abs().max()
+
+
+@needs_kernels
 def test_linear_refuses_mismatched_inputs():
     weight = cpu_kernels.pack(bf16(64, 32))
     with pytest.raises(RuntimeError, match="columns"):
