@@ -9,6 +9,9 @@ multiplied. Its rms norm replaces the several operators (5-60 us each) of `F.rms
 attention of bf16 queries over the cache (bf16, or float32) reads each kv head's keys once for all the queries
 that share it (a 9-token verification over 1500 cached tokens: about half the time of
 `scaled_dot_product_attention`).
+Where the CPU has AMX (and Linux grants its tile state; `TLT_AMX=0` turns it off) the product runs on
+its tiles at every row count: on two cores of such a Xeon the AVX-512 block does ~235 GFLOP/s and the
+tiles ~1950, so a 9-token verification of the bench policy costs 1.04x a one-token step instead of 1.53x.
 
 The extension is built with PyTorch's own toolchain (`torch.utils.cpp_extension`: a C++ compiler and
 ninja, ~1 minute once, cached under the torch extensions folder, rebuilt when the source changes).

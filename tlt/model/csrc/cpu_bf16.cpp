@@ -321,20 +321,21 @@ TARGET inline __m512i key_pairs(const float* key, int64_t p0, int64_t n) {  // f
 }
 
 // Keys [S, D] (bf16, or float32 holding bf16 values; row stride ks) packed as linear's weights, one key per
-// output column: packed[g][p][c] = the pair (2p, 2p + 1) of key 32 g + c, zero past S; sixteen keys by
-// sixteen pairs transposed at a time.
+// output column: packed[g][p][c] = the pair (2p, 2p + 1) of key 32 g + c, zero past S and from pair D / 2 to
+// `pairs` (the tiles' 16-pair steps); sixteen keys by sixteen pairs transposed at a time.
 template <typename KV>
-TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, uint32_t* packed) {
-  int64_t pairs = D / 2;
+TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, int64_t pairs, uint32_t* packed) {
+  int64_t used = D / 2;
   for (int64_t s0 = 0; s0 < S; s0 += 16) {
     uint32_t* group = packed + (s0 / GROUP) * pairs * GROUP + s0 % GROUP;
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    for (int64_t p0 = 0; p0 < used; p0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = s0 + i < S ? key_pairs(k + (s0 + i) * ks, p0, pairs - p0) : _mm512_setzero_si512();
+        r[i] = s0 + i < S ? key_pairs(k + (s0 + i) * ks, p0, used - p0) : _mm512_setzero_si512();
       transpose16(r);
-      for (int64_t j = 0; j < std::min<int64_t>(16, pairs - p0); ++j) _mm512_storeu_si512(group + (p0 + j) * GROUP, r[j]);
+      for (int64_t j = 0; j < std::min<int64_t>(16, used - p0); ++j) _mm512_storeu_si512(group + (p0 + j) * GROUP, r[j]);
     }
+    for (int64_t p = used; p < pairs; ++p) _mm512_storeu_si512(group + p * GROUP, _mm512_setzero_si512());
   }
   if (S % GROUP != 0 && S % GROUP <= 16)  // the last group's second half: keys past S
     for (int64_t p = 0; p < pairs; ++p)
@@ -366,29 +367,39 @@ TARGET void weighted_values(const float* p, int64_t stride, int64_t S, const KV*
                  _mm512_mul_ps(acc[r][c], _mm512_set1_ps(1.0f / total[r])));
 }
 
-// R query rows (bf16, [R][D]) that share one kv head, over its keys/values [S, D] (row stride ks / vs):
+// R query rows (bf16, [R][D], row stride qs, zero from D to qs) that share one kv head, over its keys/values
+// [S, D] (row stride ks / vs):
 // row r sees keys 0 .. visible[r] - 1 with the additive mask masks[r] (null: none) and writes out[r]
 // [D] bf16. A score is linear's product of the query row and the key (one accumulator over the pairs of
 // dimensions in order, whatever the row's block), the keys packed once for all rows; values are read
-// once per block of rows. `scores` holds R * stride floats (stride: S rounded up to 32, plus 16), `packed`
-// S * D bf16 rounded up to 32 keys.
+// once per block of rows. The scores run on AMX tiles where linear's do (tiles: qs a multiple of 32), so
+// a query's scores are the same whatever R. `scores` holds R * stride floats (stride: S rounded up to 32,
+// plus 16), `packed` S * qs bf16 rounded up to 32 keys.
 template <int C, typename KV>
-TARGET void attend_rows(const uint16_t* q, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
+TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
                         const float* const* masks, const int64_t* visible, int64_t D, float scale, float* scores,
-                        uint32_t* packed, uint16_t* const* out) {
+                        uint32_t* packed, uint16_t* const* out, bool tiles) {
   int64_t S = *std::max_element(visible, visible + R), stride = (S + GROUP - 1) / GROUP * GROUP + 16;
-  int64_t pairs = D / 2;
+  int64_t pairs = qs / 2;
   __mmask16 last = tail_mask(D - 16 * (C - 1));
-  pack_keys(k, ks, S, D, packed);
-  alignas(64) float acc[ROWS * GROUP];
+  pack_keys(k, ks, S, D, pairs, packed);
+  alignas(64) float acc[AMX_ROWS * GROUP];
+  int64_t configured = 0;
   for (int64_t s0 = 0; s0 < S; s0 += GROUP) {
     const uint16_t* group = reinterpret_cast<const uint16_t*>(packed + (s0 / GROUP) * pairs * GROUP);
     for (int64_t r0 = 0, rows = 0; r0 < R; r0 += rows) {
-      rows = block_rows(R - r0);
-      BLOCKS[rows](q + r0 * D, D, group, pairs, acc, group);
+      if (tiles) {
+        rows = std::min(AMX_ROWS, R - r0);
+        if (rows != configured) amx_configure(configured = rows);
+        amx_block(q + r0 * qs, qs, group, pairs, acc);
+      } else {
+        rows = block_rows(R - r0);
+        BLOCKS[rows](q + r0 * qs, qs, group, pairs, acc, group);
+      }
       for (int64_t r = 0; r < rows; ++r) std::memcpy(scores + (r0 + r) * stride + s0, acc + r * GROUP, GROUP * 4);
     }
   }
+  if (configured) amx_release();
   for (int64_t r = 0; r < R; ++r) {
     // scale, mask, -inf past the row's keys (up to S rounded up to 16), a max-subtracted exp
     float* sr = scores + r * stride;
@@ -422,8 +433,8 @@ TARGET void attend_rows(const uint16_t* q, int64_t R, const KV* k, int64_t ks, c
 }
 
 template <typename KV>
-using Attend = void (*)(const uint16_t*, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
-                        const int64_t*, int64_t, float, float*, uint32_t*, uint16_t* const*);
+using Attend = void (*)(const uint16_t*, int64_t, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
+                        const int64_t*, int64_t, float, float*, uint32_t*, uint16_t* const*, bool);
 template <typename KV>
 constexpr Attend<KV> ATTEND[9] = {nullptr, attend_rows<1, KV>, attend_rows<2, KV>, attend_rows<3, KV>,
                                   attend_rows<4, KV>, attend_rows<5, KV>, attend_rows<6, KV>, attend_rows<7, KV>,
@@ -599,8 +610,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   int64_t item = k.element_size();
   int64_t group = H / Hkv;
   float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // One task: the group * T query rows of one row's kv head.
+  // One task: the group * T query rows of one row's kv head. On AMX tiles the rows are 32 dimensions wide
+  // or a multiple (zero past D).
   int64_t R = group * T;
+  bool tiles = amx_on && amx_granted();
+  int64_t Dq = tiles ? (D + 31) / 32 * 32 : D;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
     thread_local std::vector<float> scores;
@@ -611,8 +625,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     thread_local std::vector<uint16_t*> outs;
     int64_t keys_up = (S + GROUP - 1) / GROUP * GROUP;
     scores.resize(R * (keys_up + 16));
-    packed.resize(keys_up * D / 2);
-    qb.resize(R * D);
+    packed.resize(keys_up * Dq / 2);
+    qb.assign(R * Dq, 0);
     masks.resize(R);
     visible.resize(R);
     outs.resize(R);
@@ -620,7 +634,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       int64_t b = i / Hkv, j = i % Hkv;
       for (int64_t r = 0; r < R; ++r) {
         int64_t h = j * group + r / T, t = r % T;
-        std::memcpy(&qb[r * D], qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), D * 2);
+        std::memcpy(&qb[r * Dq], qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), D * 2);
         masks[r] = mp ? mp + b * mb + t * mt : nullptr;
         visible[r] = mp ? S : S - T + t + 1;
         outs[r] = op + (b * T + t) * H * D + h * D;
@@ -628,13 +642,13 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const char* kh = kp + (b * k.stride(0) + j * k.stride(1)) * item;
       const char* vh = vp + (b * v.stride(0) + j * v.stride(1)) * item;
       if (half)
-        ATTEND<uint16_t>[(D + 15) / 16](qb.data(), R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
+        ATTEND<uint16_t>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                         reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
-                                        visible.data(), D, scale, scores.data(), packed.data(), outs.data());
+                                        visible.data(), D, scale, scores.data(), packed.data(), outs.data(), tiles);
       else
-        ATTEND<float>[(D + 15) / 16](qb.data(), R, reinterpret_cast<const float*>(kh), k.stride(2),
+        ATTEND<float>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const float*>(kh), k.stride(2),
                                      reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), visible.data(),
-                                     D, scale, scores.data(), packed.data(), outs.data());
+                                     D, scale, scores.data(), packed.data(), outs.data(), tiles);
     }
   });
   return out;
