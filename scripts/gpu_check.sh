@@ -2,7 +2,7 @@
 # The GPU checks in one short run (about 9 minutes on one H200), for a machine that has PyTorch with
 # CUDA but nothing of tlt installed: the CUDA tests, then the speculative, rollout and end-to-end
 # benchmarks on the GPU. Logs and JSON go to $OUT (default runs/gpu).
-#   scripts/gpu_check.sh                     everything
+#   scripts/gpu_check.sh [all]               everything
 #   scripts/gpu_check.sh tests               the CUDA tests only
 #   scripts/gpu_check.sh tests rollout_bf16  the named parts, run in the script's order; the parts are
 #                                            tests, speculative, rollout, rollout_bf16 and e2e
@@ -12,7 +12,8 @@ OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-parts=" ${*:-tests speculative rollout rollout_bf16 e2e} "
+parts=" ${*:-all} "
+[[ $parts == " all " ]] && parts=" tests speculative rollout rollout_bf16 e2e "
 for part in $parts; do
     case $part in tests|speculative|rollout|rollout_bf16|e2e) ;; *) echo "unknown part '$part'" >&2; exit 2 ;; esac
 done

@@ -173,6 +173,11 @@ def test_drafter_bits_run_each_drafting_strategy_at_each_width(tiny_folders, mon
     assert "tree-d3-k2-v4:q4" in record["ratios"]["speedup_vs_off"]
     trees = {(bits, drafter) for strategy, bits, drafter in seen if strategy == "tree-d3-k2-v4"}
     assert {bits for bits, _ in trees} == {16, 4} and len({d for _, d in trees}) == 2
+    record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off", "tree-d3-k2-v4"],
+                                 max_tokens=8, repeats=1, prompts_per_run=2, dtype="bfloat16", skip_hf=True,
+                                 drafter_bits=[4], log=lambda s: None)
+    assert [r["strategy"] for r in record["rows"]] == ["off", "tree-d3-k2-v4:q4"]
+    assert record["ratios"]["speedup_vs_off"]["tree-d3-k2-v4:q4"]["1"] is not None
     with pytest.raises(ConfigError, match="drafter-bits"):
         speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off"], drafter_bits=[8],
                             log=lambda s: None)

@@ -42,15 +42,17 @@ def test_linear_matches_float32_and_rows_do_not_depend_on_the_row_count(M, K, N)
 
 
 @needs_kernels
-@pytest.mark.parametrize("M,K,N", [(1, 256, 64), (2, 768, 100), (5, 128, 33), (13, 384, 70), (49, 256, 40), (3, 100, 32)])
+@pytest.mark.parametrize("M,K,N", [(1, 256, 64), (2, 768, 100), (5, 128, 33), (13, 384, 70), (49, 256, 40), (3, 100, 32),
+                                   (4, 192, 64), (2, 96, 40)])
 def test_four_bit_linear_multiplies_by_the_unpacked_weight_and_rows_do_not_depend_on_the_row_count(M, K, N):
-    """4-bit weights (groups of 128 inputs; one group for K = 100): the product equals x times the weight
-    the codes stand for (`unpack4`) within bf16 rounding, with bias and residual, every row the same bit for
-    bit alone or among others; the rounded weight is within half a level of the original."""
+    """4-bit weights (groups of 128 inputs; 64 for K = 192, 32 for K = 96, one for K = 100): the product
+    equals x times the weight the codes stand for (`unpack4`) within bf16 rounding, with bias and residual,
+    every row the same bit for bit alone or among others; the rounded weight is within half a level of the
+    original."""
     x, w, residual = bf16(M, K, seed=11), bf16(N, K, seed=12), bf16(M, N, seed=13)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(14))
     codes, scales = cpu_kernels.pack4(w)
-    kgroups = K // cpu_kernels.QGROUP if K % cpu_kernels.QGROUP == 0 else 1
+    kgroups = K // next((g for g in cpu_kernels.QGROUPS if K % g == 0), K)
     assert codes.dtype == torch.uint8 and codes.shape == (-(-N // 32), K // 2, 32)
     assert scales.shape == (-(-N // 32), kgroups, 2, 32)
     rounded = cpu_kernels.unpack4(codes, scales, N)
@@ -66,7 +68,6 @@ def test_four_bit_linear_multiplies_by_the_unpacked_weight_and_rows_do_not_depen
         kernels.linear(x, codes, N, None, None)
 
 
-@needs_kernels
 def test_four_bit_codes_of_evenly_spaced_weights_are_exact():
     """A weight that takes 16 evenly spaced values in each group of 128 inputs is stored exactly."""
     gen = torch.Generator().manual_seed(15)
@@ -97,6 +98,29 @@ def test_amx_tiles_agree_with_the_avx512_blocks(M, K, N):
     for out in (tiles, blocks):
         assert (out.float() - exact).abs().max() <= 0.01 * exact.abs().max()
     assert (tiles.float() - blocks.float()).abs().max() <= 0.01 * exact.abs().max()
+
+
+@needs_kernels
+@pytest.mark.skipif(kernels is None or not kernels.amx(), reason="this CPU has no AMX (or the OS does not grant it)")
+@pytest.mark.parametrize("D", [12, 48, 64, 128])
+def test_attention_scores_on_amx_tiles_agree_with_the_avx512_blocks(D):
+    """The scores on the tiles pad queries and keys to a multiple of 32 dimensions with zeros: within
+    bf16 rounding of the AVX-512 blocks' attention, masked and causal, over a bf16 cache."""
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(2, 4, 5, D, generator=gen).bfloat16()
+    keys = torch.randn(2, 2, 37, D, generator=gen).bfloat16()
+    values = torch.randn(2, 2, 37, D, generator=gen).bfloat16()
+    allowed = torch.rand(2, 1, 5, 37, generator=gen) < 0.8
+    allowed[..., 0] = True
+    mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+    for m in (mask, None):
+        try:
+            tiles = kernels.attention(q, keys, values, m)
+            kernels.set_amx(False)
+            blocks = kernels.attention(q, keys, values, m)
+        finally:
+            kernels.set_amx(True)
+        assert (tiles.float() - blocks.float()).abs().max() <= 0.02 * blocks.float().abs().max()
 
 
 @needs_kernels

@@ -81,7 +81,8 @@ def test_four_bit_weights_follow_the_parameters_and_training_reads_the_parameter
 
 
 def test_drafter_bits_must_be_4_or_16():
-    with pytest.raises(ConfigError, match="drafter_bits"):
-        tlt.EngineConfig(drafter_bits=8)
+    for bad in (8, 4.0, True):
+        with pytest.raises(ConfigError, match="drafter_bits"):
+            tlt.EngineConfig(drafter_bits=bad)
     with pytest.raises(ValueError, match="bits"):
         Drafter.from_target(tlt.load_model("default"), seed=0).set_weight_bits(3)

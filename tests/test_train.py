@@ -234,8 +234,10 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
 def test_drafter_bits_reach_the_engines_drafter(model_dir):
     trainer = GRPOTrainer(config(model_dir, speculative="adaptive", drafter={"model": "random", "train": "off",
                                                                               "bits": 4}))
-    assert trainer.engine.decoder.spec.drafter.weight_bits == 4
-    trainer.close()
+    try:
+        assert trainer.engine.decoder.spec.drafter.weight_bits == 4
+    finally:
+        trainer.close()
 
 
 def test_auto_drafter_is_ngram_only_for_a_model_without_a_builtin_drafter(model_dir):

@@ -192,12 +192,12 @@ def measure(
     prompts = [tokenizer.encode(p.prompt) for p in problems]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    def engine_system(strategy: str, target=model, bits: int = drafter_bits[0]):
+    def engine_system(strategy: str, target=model, bits: int = 16):
         return lambda batch, n, r: run_engine(target, drafters.get(bits), batch, strategy, temperature, n, r, bits)
 
     systems = {}
-    for s in strategies:
-        widths = drafter_bits if Strategy.parse(s).uses_drafter else drafter_bits[:1]
+    for s in strategies:  # strategies without the learned drafter run once, under their own name
+        widths = drafter_bits if Strategy.parse(s).uses_drafter else [16]
         systems.update({s if bits == 16 else f"{s}:q{bits}": engine_system(s, bits=bits) for bits in widths})
     baseline = baseline_name(baseline_dtype, dtype)
     if baseline is not None:

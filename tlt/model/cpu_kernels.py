@@ -9,8 +9,9 @@ multiplied. Its rms norm replaces the several operators (5-60 us each) of `F.rms
 attention of bf16 queries over the cache (bf16, or float32) reads each kv head's keys once for all the queries
 that share it (a 9-token verification over 1500 cached tokens: about half the time of
 `scaled_dot_product_attention`).
-Where the CPU has AMX (and Linux grants its tile state; `TLT_AMX=0` turns it off) the product runs on
-its tiles at every row count: on two cores of such a Xeon the AVX-512 block does ~235 GFLOP/s and the
+Where the CPU has AMX (and Linux grants its tile state; `TLT_AMX=0` turns it off) products with bf16
+weights whose K is a multiple of 32, and the attention's scores, run on its tiles at every row count
+(4-bit weights stay on AVX-512): on two cores of such a Xeon the AVX-512 block does ~235 GFLOP/s and the
 tiles ~1950, so a 9-token verification of the bench policy costs 1.04x a one-token step instead of 1.53x.
 
 The extension is built with PyTorch's own toolchain (`torch.utils.cpp_extension`: a C++ compiler and
@@ -113,19 +114,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(groups, GROUP, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-QGROUP = 128  # input features per scale of 4-bit weights (csrc/cpu_bf16.cpp QGROUP_PAIRS x 2)
+QGROUPS = (128, 64, 32)  # input features per scale of 4-bit weights: the first that divides K
 
 
 def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (K even) rounded to 16 levels per output column and k-group of QGROUP inputs (one
-    group when K is not a multiple of it), evenly spaced from the group's least to its greatest value ->
-    (codes [ceil(N / 32), K / 2, 32] uint8, scales [ceil(N / 32), K / QGROUP or 1, 2, 32] float32). Byte i
+    """weight [N, K] (K even) rounded to 16 levels per output column and k-group of 128 inputs (64 or 32
+    where K is not a multiple of 128; one group over all K where none divides it), evenly spaced from the
+    group's least to its greatest value -> (codes [ceil(N / 32), K / 2, 32] uint8, scales
+    [ceil(N / 32), K / group, 2, 32] float32). Byte i
     of pair p holds the code of column i / 2 (k = 2p + i % 2) in its low nibble, of column 16 + i / 2 in its
     high one; the weight is scale * code + low, and scales hold scale, then shift = low - 128 scale, the
     form the kernel adds (it multiplies codes as the bf16 numbers 128 + code)."""
     N, K = weight.shape
     groups = -(-N // GROUP)
-    kgroup = QGROUP if K % QGROUP == 0 else K
+    kgroup = next((g for g in QGROUPS if K % g == 0), K)
     w = F.pad(weight.detach().float(), (0, 0, 0, groups * GROUP - N)).view(groups * GROUP, K // kgroup, kgroup)
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))

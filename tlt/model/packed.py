@@ -18,7 +18,7 @@ column-major layout of tlt/model/layout.py, whose MKL products are the faster th
 
 `PackedLinear` is a frozen snapshot of one weight (and bias), rebuilt by its holder's `Prepared` when the
 parameter changes. With bits=4 (a drafter's products, `Drafter.set_weight_bits`) a bf16 weight that tlt's
-kernel takes is rounded to 16 levels per column and 128 inputs (`cpu_kernels.pack4`): a quarter of the
+kernel takes is rounded to 16 levels per column and group of 128 inputs (`cpu_kernels.pack4`): a quarter of the
 bytes to stream; other weights ignore it. Where oneDNN is missing or cannot pack (a CPU build without it, a GPU tensor) the
 same object multiplies the plain weight.
 """

@@ -23,7 +23,8 @@ class EngineConfig:
     step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
     the newest (None: all); see SpeculativeDecoder. drafter_bits: 4 drafts on the drafter's weights
     rounded to 4 bits where tlt's bf16 CPU kernels run it (a quarter of the bytes; the samples are
-    unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits)."""
+    unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits;
+    a Drafter object given here is set to that width, so engines sharing one share its width)."""
 
     max_batch_size: int = 256
     kv_budget_tokens: int | None = None
@@ -59,7 +60,7 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig field 'strategy' {strategy.name!r} needs a drafter (chain and tree "
                                   "strategies draft with a learned one): give drafter= (a Drafter, a folder or "
                                   "'default'), or a model-free strategy such as ngram-d4")
-        if self.drafter_bits not in (4, 16):
+        if not integral(self.drafter_bits) or self.drafter_bits not in (4, 16):
             raise ConfigError(f"EngineConfig field 'drafter_bits' must be 4 or 16, got {self.drafter_bits!r}")
         window = self.catch_up_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):

@@ -89,9 +89,9 @@ using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float
 // and, in its high nibble, the same element for columns 16-31. A code m becomes the bf16 number 128 + m in
 // two integer operations (zero-extend, then OR the exponent of 128 into the mantissa's low bits), so the
 // products run on vdpbf16ps as bf16 weights do. Weight w[k][c] = scale[j][c] m + low[j][c] over the k-group j
-// of QGROUP_PAIRS pairs, so per k-group and row the block adds scale * acc + shift * xsum, shift = low - 128
-// scale and xsum the row's sum of x over the k-group (linear4 computes it once per row).
-constexpr int64_t QGROUP_PAIRS = 64;  // pairs (128 k) per quantization group
+// (pairs / qgroups pairs: 64, 32 or 16, or all of K), so per k-group and row the block adds scale * acc +
+// shift * xsum, shift = low - 128 scale and xsum the row's sum of x over the k-group (linear computes it
+// once per row). The prefetch runs PREFETCH bytes (4 K elements of bf16, 8 K codes here) ahead.
 template <int R>
 TARGET void block4(const uint16_t* x, int64_t x_stride, const uint8_t* w, int64_t pairs, const float* scale_shift,
                    const float* xsum, int64_t qgroups, float* acc_out, const uint8_t* prefetch) {
@@ -181,14 +181,13 @@ constexpr int64_t AMX_ROWS = 16;
 // Whether this process may run AMX: the CPU has AMX-BF16 and AMX-TILE, and Linux granted the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). TLT_AMX=0 turns it off.
 bool amx_granted() {
-  static int granted = -1;
-  if (granted < 0) {
+  static const bool granted = [] {  // initialised once, thread-safely
     unsigned a, b, c, d;
     const char* env = std::getenv("TLT_AMX");
     bool cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
-    granted = cpu && !(env && env[0] == '0') && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }
-  return granted == 1;
+    return cpu && !(env && env[0] == '0') && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return granted;
 }
 bool amx_on = true;  // set_amx: tests take either unit where both run
 
@@ -372,8 +371,8 @@ TARGET void weighted_values(const float* p, int64_t stride, int64_t S, const KV*
 // row r sees keys 0 .. visible[r] - 1 with the additive mask masks[r] (null: none) and writes out[r]
 // [D] bf16. A score is linear's product of the query row and the key (one accumulator over the pairs of
 // dimensions in order, whatever the row's block), the keys packed once for all rows; values are read
-// once per block of rows. The scores run on AMX tiles where linear's do (tiles: qs a multiple of 32), so
-// a query's scores are the same whatever R. `scores` holds R * stride floats (stride: S rounded up to 32,
+// once per block of rows. Where AMX runs (`tiles`) the scores take its tiles, the query rows padded with
+// zeros to qs, a multiple of 32, and the keys' pairs likewise; a query's scores are the same whatever R. `scores` holds R * stride floats (stride: S rounded up to 32,
 // plus 16), `packed` S * qs bf16 rounded up to 32 keys.
 template <int C, typename KV>
 TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
@@ -474,7 +473,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     qgroups = scales->dim() == 4 ? scales->size(1) : 0;
     TORCH_CHECK(scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() && qgroups > 0 &&
                 scales->size(0) == groups && scales->size(2) == 2 && scales->size(3) == GROUP &&
-                (qgroups == 1 || qgroups * QGROUP_PAIRS == pairs), "linear: scales must come from cpu_kernels.pack4");
+                pairs % qgroups == 0, "linear: scales must come from cpu_kernels.pack4");
   }
   const float* b = nullptr;
   if (bias && bias->defined()) {
