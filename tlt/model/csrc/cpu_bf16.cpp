@@ -319,13 +319,35 @@ TARGET inline __m512i key_pairs(const float* key, int64_t p0, int64_t n) {  // f
   return _mm512_permutex2var_epi16(lo, upper_halves, hi);
 }
 
+// Rows ahead of the one being packed whose keys (to L1) and values (to L2, read by the weighted sum after the
+// scores) are prefetched: the cache streams from memory at long contexts and the packing's arithmetic
+// otherwise waits on it (24 rows x 1,200 cached tokens, bench policy, a layer: 2.98 -> 2.29 ms at one
+// token, 5.93 -> 5.06 at nine; 16 rows ahead did better than 32, 64 or 128).
+constexpr int64_t KV_AHEAD = 16;
+
+// The cache lines of rows from .. to - 1 (clipped to S) of an [S, D] array with row stride `stride`.
+template <typename KV>
+inline void prefetch_rows(const KV* p, int64_t stride, int64_t from, int64_t to, int64_t S, int64_t D, int hint) {
+  to = std::min(to, S);
+  if (from >= to) return;
+  const char* last = reinterpret_cast<const char*>(p + (to - 1) * stride + D);
+  for (const char* c = reinterpret_cast<const char*>(p + from * stride); c < last; c += 64)
+    _mm_prefetch(c, static_cast<_mm_hint>(hint));
+}
+
 // Keys [S, D] (bf16, or float32 holding bf16 values; row stride ks) packed as linear's weights, one key per
 // output column: packed[g][p][c] = the pair (2p, 2p + 1) of key 32 g + c, zero past S and from pair D / 2 to
-// `pairs` (the tiles' 16-pair steps); sixteen keys by sixteen pairs transposed at a time.
+// `pairs` (the tiles' 16-pair steps); sixteen keys by sixteen pairs transposed at a time. The values [S, D]
+// (row stride vs) are prefetched to L2 alongside.
 template <typename KV>
-TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, int64_t pairs, uint32_t* packed) {
+TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, int64_t pairs, uint32_t* packed, const KV* v,
+                      int64_t vs) {
   int64_t used = D / 2;
+  prefetch_rows(k, ks, 0, KV_AHEAD, S, D, _MM_HINT_T0);
+  prefetch_rows(v, vs, 0, KV_AHEAD, S, D, _MM_HINT_T1);
   for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    prefetch_rows(k, ks, s0 + KV_AHEAD, s0 + KV_AHEAD + 16, S, D, _MM_HINT_T0);
+    prefetch_rows(v, vs, s0 + KV_AHEAD, s0 + KV_AHEAD + 16, S, D, _MM_HINT_T1);
     uint32_t* group = packed + (s0 / GROUP) * pairs * GROUP + s0 % GROUP;
     for (int64_t p0 = 0; p0 < used; p0 += 16) {
       __m512i r[16];
@@ -381,7 +403,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
   int64_t S = *std::max_element(visible, visible + R), stride = (S + GROUP - 1) / GROUP * GROUP + 16;
   int64_t pairs = qs / 2;
   __mmask16 last = tail_mask(D - 16 * (C - 1));
-  pack_keys(k, ks, S, D, pairs, packed);
+  pack_keys(k, ks, S, D, pairs, packed, v, vs);
   alignas(64) float acc[AMX_ROWS * GROUP];
   int64_t configured = 0;
   for (int64_t s0 = 0; s0 < S; s0 += GROUP) {
