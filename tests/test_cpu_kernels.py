@@ -278,6 +278,44 @@ def test_attention_of_a_tree_node_equals_its_plain_decoding_bit_for_bit():
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", [15, 16, 31, 33, 64, 200])
+@pytest.mark.parametrize("group,half", [(2, True), (8, True), (8, False)])
+def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, group, half):
+    """A whole tree's verification (nine nodes of several branches, several query heads per kv head, so
+    the values take more than one pass) against each node decoded alone over its cache and ancestors
+    packed one after another; one cached key every node sees has a weight of exactly zero (its additive
+    mask -500), so the weights' sum meets a zero among the weights it adds. A sum that depended on where
+    the keys sit would differ in the last float32 bit, which the bf16 output shows only now and then:
+    hence many heads, wide heads and several draws."""
+    Hkv, D = 4, 128
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5]  # node j's parent; node 0 is the root
+    T = len(parents)
+    dtype = torch.bfloat16 if half else torch.float32
+    seen = []
+    for j in range(T):
+        path, a = [], j
+        while a >= 0:
+            path.append(n + a)
+            a = parents[a]
+        seen.append([*range(n), *reversed(path)])
+    allowed = torch.zeros(1, 1, T, n + T, dtype=torch.bool)
+    for j, slots in enumerate(seen):
+        allowed[0, 0, j, slots] = True
+    mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+    mask[..., n // 2] = -500.0  # a key every node sees, with a weight of exactly zero
+    for draw in range(4):
+        gen = torch.Generator().manual_seed(1000 * draw + n * group)
+        keys = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
+        values = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
+        q = torch.randn(1, Hkv * group, T, D, generator=gen).bfloat16()
+        tree = kernels.attention(q, keys, values, mask)
+        for j, slots in enumerate(seen):
+            plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
+                                      values[:, :, slots].contiguous(), mask[:, :, j : j + 1, slots].contiguous())
+            assert torch.equal(tree[:, j], plain[:, 0]), f"draw {draw}, node {j}"
+
+
+@needs_kernels
 @pytest.mark.parametrize("M,I", [(37, 90), (17, 1100)])  # rows split across threads; rows split in pieces
 def test_silu_mul_equals_torch_bit_for_bit(M, I):
     """silu(gate) * up as torch computes it in bf16 (silu rounded first), over large and small gates."""
