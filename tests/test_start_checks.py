@@ -290,3 +290,19 @@ def test_a_run_whose_config_json_has_the_flat_keys_of_the_previous_release_resum
     written = json.loads((run / "config.json").read_text())
     assert written["drafter"]["model"] is None and written["optim"]["lr"] == 1e-4 and "drafter_train" not in written
     assert written["eval"]["every"] == 0 and "eval_every" not in written
+
+
+def test_output_to_a_file_or_pipe_is_line_buffered(monkeypatch):
+    """A long command run with its output in a file shows each line as it is printed."""
+    import io
+    import sys
+
+    from tlt.cli import line_buffered_output
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert not out.line_buffering
+    line_buffered_output()
+    assert out.line_buffering
+    print("a line")
+    assert out.buffer.getvalue() == b"a line\n"  # written through at the newline, not held back

@@ -37,7 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def line_buffered_output() -> None:
+    """Print whole lines as they come when stdout is a file or a pipe (a long job run under nohup or
+    tee), not in blocks of kilobytes: otherwise a drafter's training showed nothing for minutes."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None and not sys.stdout.isatty():
+        reconfigure(line_buffering=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    line_buffered_output()
     args = build_parser().parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
