@@ -359,9 +359,9 @@ def run(args: argparse.Namespace) -> int:
         return round(length, 4)
 
     start = time.time()
-    what = "reference texts" if args.data == "references" else f"x {args.samples} samples"
-    print(f"collecting {len(sources['train'][0])} prompts' {what} and {len(sources['eval'][0])} held-out prompts' "
-          f"samples (target forwards and generation) ...")
+    train = "the reference texts" if args.data == "references" else f"{args.samples} samples each"
+    print(f"collecting {train} of {len(sources['train'][0])} prompts and {args.samples} samples each of "
+          f"{len(sources['eval'][0])} held-out prompts ...")
     # Held-out agreement is always measured on the target's own samples: what drafting will meet.
     records, held_out = gather("train", args.data), gather("eval")
     print(f"collected {len(records)} responses, {sum(len(r.tokens) - 1 for r in records)} pairs "
