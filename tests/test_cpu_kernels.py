@@ -16,6 +16,14 @@ kernels = cpu_kernels.kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="tlt's bf16 CPU kernels do not run on this machine")
 
 
+def test_the_kernels_load_where_the_cpu_runs_them():
+    """Where the CPU has AVX-512 BF16 and the kernels are not turned off, they build and load: a compile
+    error would otherwise turn every kernel test below into a skip."""
+    if os.environ.get(cpu_kernels.ENV, "1") == "0" or not cpu_kernels._cpu_has_bf16():
+        pytest.skip("this CPU has no AVX-512 BF16, or TLT_CPU_KERNELS=0")
+    assert kernels is not None, cpu_kernels._reason
+
+
 def bf16(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
