@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def line_buffered_output() -> None:
     """Print whole lines as they come when stdout is a file or a pipe (a long job run under nohup or
-    tee), not in blocks of kilobytes: otherwise a drafter's training showed nothing for minutes."""
+    tee), not in blocks of kilobytes, which would keep a long job's log empty for minutes."""
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None and not sys.stdout.isatty():
         reconfigure(line_buffering=True)

@@ -565,7 +565,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   for (int64_t m = 0; m < (four ? M : 0); ++m)
     for (int64_t j = 0; j < qgroups; ++j) xsum[m * qgroups + j] = sum_values(xp + m * xs + j * (K / qgroups), K / qgroups);
   const uint16_t* wp = four ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  if (!four && amx_on && pairs % 16 == 0 && amx_granted()) {
+  if (!four && pairs % 16 == 0 && amx()) {
     at::parallel_for(0, groups * chunks, 1, [&](int64_t t0, int64_t t1) {
       alignas(64) float acc[AMX_ROWS * GROUP];
       int64_t configured = 0;
@@ -678,7 +678,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   // One task: the group * T query rows of one row's kv head. On AMX tiles the rows are 32 dimensions wide
   // or a multiple (zero past D).
   int64_t R = group * T;
-  bool tiles = amx_on && amx_granted();
+  bool tiles = amx();
   int64_t Dq = tiles ? (D + 31) / 32 * 32 : D;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
