@@ -224,12 +224,14 @@ def test_attention_matches_sdpa_and_queries_do_not_depend_on_each_other(B, H, Hk
 @needs_kernels
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("D", [16, 40])
-def test_rope_write_matches_the_reference_ops(norm, D):
+@pytest.mark.parametrize("pair", [False, True])
+def test_rope_write_matches_the_reference_ops(norm, D, pair):
     """q/k norm + RoPE + cache write in one kernel against the operators the reference layer runs
-    (bf16 norm, bf16 rotation, `KVCache.write`), on rows of unequal length: q and the written keys agree
-    within one bf16 rounding, values are copied exactly, and no other slot of the cache changes."""
+    (bf16 norm, bf16 rotation, `KVCache.write`), on rows of unequal length, into a float32 cache and a bf16
+    one with paired values: q and the written keys agree within one bf16 rounding, values are copied
+    exactly, and no other slot of the cache changes."""
     from tlt.model.fused import _qk_normed
-    from tlt.model.kv_cache import KVCache
+    from tlt.model.kv_cache import KVCache, natural
     from tlt.model.rope import apply_rope, rope_tables
 
     B, T, H, Hkv = 2, 3, 4, 2
@@ -241,14 +243,16 @@ def test_rope_write_matches_the_reference_ops(norm, D):
                            torch.bfloat16)
     caches = []
     for _ in range(2):
-        cache = KVCache(1, B, Hkv, D, dtype=torch.float32)
+        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16 if pair else torch.float32, paired=pair)
         cache.reserve(8)
         cache.store.normal_(generator=torch.Generator().manual_seed(12))
         cache.lengths = lengths.clone()
         caches.append(cache)
     keys, values, S = caches[0].buffers(0, T)
     q = kernels.rope_write(qkv, H, weight if norm else None, 1e-6, cos.reshape(B, T, D), sin.reshape(B, T, D), keys,
-                           values, caches[0].lengths)
+                           values, caches[0].lengths, pair)
+    if pair:
+        values = natural(values)
     qk = qkv[:, :, : H + Hkv]
     if norm:
         fused = type("Fused", (), {"qkv": type("P", (), {"kernels": None})(), "qk_eps": 1e-6,
@@ -265,6 +269,8 @@ def test_rope_write_matches_the_reference_ops(norm, D):
     for b, n in enumerate(lengths.tolist()):
         new[b, 0, n : n + T] = True
     assert torch.equal(keys.masked_select(~new), caches[1].keys[0].masked_select(~new))  # the rest untouched
+    untouched = natural(caches[1].values[0]) if pair else caches[1].values[0]
+    assert torch.equal(values.masked_select(~new), untouched.masked_select(~new))
 
 
 @needs_kernels
@@ -285,13 +291,61 @@ def test_attention_of_a_tree_node_equals_its_plain_decoding_bit_for_bit():
     assert torch.equal(tree, plain)
 
 
+def paired(values: torch.Tensor) -> torch.Tensor:
+    """values [B, H, S, D] in the kernels' paired layout, in a buffer of an even slot count (a view of S slots)."""
+    B, H, S, D = values.shape
+    even = S + S % 2
+    padded = F.pad(values, (0, 0, 0, even - S))
+    return padded.view(B, H, even // 2, 2, D).transpose(-1, -2).contiguous().view(B, H, even, D)[:, :, :S]
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", [48, 128, 40])
+@pytest.mark.parametrize("S", [9, 65, 200])
+def test_attention_over_paired_values(D, S):
+    """Values in the paired layout (what a bf16 cache on the CPU holds): without AMX the same bits as the usual
+    layout (the same float32 sums in slot order); with AMX (its tiles weigh bf16-rounded weights over the
+    values as they lie) within a bf16 rounding of float32 attention."""
+    gen = torch.Generator().manual_seed(D * S)
+    B, H, Hkv = 3, 4, 2
+    for T in (1, 9):
+        keys = torch.randn(B, Hkv, S, D, generator=gen).bfloat16()
+        values = torch.randn(B, Hkv, S, D, generator=gen).bfloat16()
+        q = torch.randn(B, H, T, D, generator=gen).bfloat16()
+        mask = torch.where(torch.rand(B, 1, T, S, generator=gen) < 0.9, 0.0, float("-inf"))
+        mask[..., 0] = 0.0
+        for m in (None, mask):
+            got = kernels.attention(q, keys, paired(values), m, True)
+            ref = F.scaled_dot_product_attention(q.float(), keys.float().repeat_interleave(H // Hkv, 1),
+                                                 values.float().repeat_interleave(H // Hkv, 1), attn_mask=m,
+                                                 is_causal=m is None and T > 1)
+            if m is None and T > 1:  # the kernel's causal mask is over the last T keys
+                causal = torch.full((T, S), float("-inf")).triu(S - T + 1)
+                ref = F.scaled_dot_product_attention(q.float(), keys.float().repeat_interleave(H // Hkv, 1),
+                                                     values.float().repeat_interleave(H // Hkv, 1), attn_mask=causal)
+            ref = ref.transpose(1, 2).reshape(B, T, H * D)
+            assert (got.float() - ref).abs().max() <= 0.02
+            if kernels.amx():
+                kernels.set_amx(False)
+                try:
+                    assert torch.equal(kernels.attention(q, keys, paired(values), m, True),
+                                       kernels.attention(q, keys, values, m))
+                finally:
+                    kernels.set_amx(True)
+            else:
+                assert torch.equal(got, kernels.attention(q, keys, values, m))
+
+
 @needs_kernels
 @pytest.mark.parametrize("n", [15, 16, 31, 33, 64, 200])
-@pytest.mark.parametrize("group,half", [(2, True), (8, True), (8, False)])
-def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, group, half):
+@pytest.mark.parametrize("group,half,pair", [(2, True, False), (8, True, False), (8, False, False), (2, True, True),
+                                             (8, True, True)])
+def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, group, half, pair):
     """A whole tree's verification (nine nodes of several branches, several query heads per kv head, so
     the values take more than one pass) against each node decoded alone over its cache and ancestors
-    packed one after another; one cached key every node sees has a weight of exactly zero (its additive
+    packed one after another, over values in the usual and in the paired layout (on AMX: sums on the tiles
+    up to a split that must fall where plain decoding's does); one cached key every node sees has a weight of
+    exactly zero (its additive
     mask -500), so the weights' sum meets a zero among the weights it adds. A sum that depended on where
     the keys sit would differ in the last float32 bit, which the bf16 output shows only now and then:
     hence many heads, wide heads and several draws."""
@@ -316,10 +370,12 @@ def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, 
         keys = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
         values = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
         q = torch.randn(1, Hkv * group, T, D, generator=gen).bfloat16()
-        tree = kernels.attention(q, keys, values, mask)
+        lay = paired if pair else (lambda v: v)
+        tree = kernels.attention(q, keys, lay(values), mask, pair)
         for j, slots in enumerate(seen):
             plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
-                                      values[:, :, slots].contiguous(), mask[:, :, j : j + 1, slots].contiguous())
+                                      lay(values[:, :, slots].contiguous()),
+                                      mask[:, :, j : j + 1, slots].contiguous(), pair)
             assert torch.equal(tree[:, j], plain[:, 0]), f"draw {draw}, node {j}"
 
 
@@ -339,12 +395,12 @@ def test_silu_mul_equals_torch_bit_for_bit(M, I):
 @needs_kernels
 @pytest.mark.parametrize("input_norm,bits", [(True, 16), (False, 16), (False, 4)])
 @pytest.mark.parametrize("masked", [True, False])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "paired"])
 def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, cache_dtype):
     """The whole layer in one call gives the bits of the kernels called one at a time (norm, q|k|v, q/k
     norm with RoPE and the cache write, attention, o + residual, norm, gate|up, silu * up, down +
     residual: `layer_step_ops`), on rows of unequal length, and writes the same cache; also on 4-bit
-    weights (a drafter's layer)."""
+    weights (a drafter's layer) and over paired values."""
     from tlt.model.kv_cache import KVCache
     from tlt.model.rope import rope_tables
 
@@ -363,8 +419,9 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, ca
     cos, sin = rope_tables(lengths[:, None] + torch.arange(T), 1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0,
                            torch.bfloat16)
     caches = []
+    pair = cache_dtype == "paired"
     for _ in range(2):
-        cache = KVCache(1, B, Hkv, D, dtype=cache_dtype)
+        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16 if pair else cache_dtype, paired=pair)
         cache.reserve(8)
         cache.store.normal_(generator=torch.Generator().manual_seed(48))
         cache.lengths = lengths.clone()
@@ -377,11 +434,11 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, ca
     eps = 1e-6 if input_norm else -1.0
     keys, values, S = caches[0].buffers(0, T)
     out = kernels.layer_step(x, eps, packs, sizes, biases, scales, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
-                             caches[0].lengths, S, mask)
+                             caches[0].lengths, S, mask, pair)
 
     keys1, values1, _ = caches[1].buffers(0, T)
     expected = cpu_kernels.layer_step_ops(kernels, x, eps, packs, sizes, biases, scales, H, qk_norm, 1e-5, 1e-6, cos,
-                                          sin, keys1, values1, caches[1].lengths, S, mask)
+                                          sin, keys1, values1, caches[1].lengths, S, mask, pair)
     assert torch.equal(out, expected)
     assert torch.equal(caches[0].store, caches[1].store)
 

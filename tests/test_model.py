@@ -5,6 +5,7 @@ import torch
 
 import tlt
 from tlt.model import KVCache
+from tlt.model.kv_cache import natural, pairs
 
 ROPE_CASES = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -210,29 +211,41 @@ def test_fork_select_concat_equal_separate_prefills(tiny_model):
     assert cache.nbytes() > 0
 
 
-def test_writes_to_rows_of_different_lengths_land_in_their_slots():
+def logical_store(cache: KVCache) -> torch.Tensor:
+    """The cache's store with its values in the usual layout (paired values unpaired)."""
+    L = cache.num_layers
+    return torch.cat([cache.store[:L], natural(cache.store[L:])]) if cache.paired else cache.store
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_writes_to_rows_of_different_lengths_land_in_their_slots(paired):
     """`KVCache.write` on rows of different lengths against writing each row's slots one by one: across
-    layers, a capacity growth, dropped rows, and lengths handed back edited in place."""
+    layers, a capacity growth, dropped rows, and lengths handed back edited in place; float32 values and
+    bf16 ones in the paired layout (what write returns is the usual layout)."""
     torch.manual_seed(0)
     L, H, D = 3, 2, 4
-    cache = KVCache(L, 3, H, D, block=8)
-    ref = torch.zeros(2 * L, 3, H, 64, D)  # the expected store, written slot by slot
+    dtype = torch.bfloat16 if paired else torch.float32
+    cache = KVCache(L, 3, H, D, block=8, dtype=dtype)
+    assert cache.paired == paired
+    ref = torch.zeros(2 * L, 3, H, 64, D, dtype=dtype)  # the expected store, written slot by slot
 
     def write(T, in_place=False):
         lengths = cache.lengths.tolist()
         for layer in range(L):
-            k, v = torch.randn(cache.batch_size, H, T, D), torch.randn(cache.batch_size, H, T, D)
+            k, v = torch.randn(cache.batch_size, H, T, D).to(dtype), torch.randn(cache.batch_size, H, T, D).to(dtype)
             keys, values = cache.write(layer, k, v)
             for b, n in enumerate(lengths):
                 ref[layer, b, :, n : n + T] = k[b]
                 ref[L + layer, b, :, n : n + T] = v[b]
             assert keys.shape[2] == values.shape[2] == max(lengths) + T
+            for b, n in enumerate(lengths):
+                assert torch.equal(values[b, :, : n + T], ref[L + layer, b, :, : n + T])
         if in_place:
             cache.lengths += T  # the lengths tensor `write` indexed from, edited in place and set back
         else:
             cache.advance(T)
         for b, n in enumerate(cache.lengths.tolist()):
-            assert torch.equal(cache.store[:, b, :, :n], ref[:, b, :, :n])
+            assert torch.equal(logical_store(cache)[:, b, :, :n], ref[:, b, :, :n])
 
     cache.lengths = torch.tensor([2, 5, 3])
     write(1)
@@ -244,6 +257,28 @@ def test_writes_to_rows_of_different_lengths_land_in_their_slots():
     write(1, in_place=True)
     write(1)
     assert cache.capacity == 16
+
+
+@pytest.mark.parametrize("bases", [[5, 5, 5], [5, 3, 7]])
+def test_compaction_moves_paired_values_with_their_slots(bases):
+    """`compact` on a cache with paired values keeps the same slots as on one in the usual layout, whether
+    the rows' accepted paths start at one slot or at several (odd and even starts, odd and even moves)."""
+    L, B, H, D = 2, 3, 2, 4
+    data = torch.randn(2 * L, B, H, 16, D).bfloat16()
+    caches = [KVCache(L, B, H, D, dtype=torch.bfloat16, block=8, paired=p) for p in (False, True)]
+    for c in caches:
+        c.reserve(16)
+        c.lengths = torch.tensor([12, 12, 12])
+    caches[0].store.copy_(data)
+    caches[1].store[:L] = data[:L]
+    pairs(caches[1].store[L:])[:] = data[L:].view(2 * L - L, B, H, 8, 2, D)
+    assert torch.equal(logical_store(caches[1]), logical_store(caches[0]))
+    keep = torch.tensor([[0, 2, 3], [1, 4, 0], [0, 1, 2]])
+    for c in caches:
+        c.compact(torch.tensor(bases), keep, torch.tensor([3, 2, 3]))
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [b + n for b, n in zip(bases, [3, 2, 3])]
+    for b, n in enumerate(caches[0].lengths.tolist()):
+        assert torch.equal(logical_store(caches[1])[:, b, :, :n], logical_store(caches[0])[:, b, :, :n])
 
 
 def test_cache_memory_follows_live_tokens(tiny_model):

@@ -162,7 +162,8 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
         keys, values, S = cache.buffers(index, T)
         return kernels.layer_step(x.contiguous(), -1.0 if fused.input_eps is None else fused.input_eps,
                                   fused.weights, fused.sizes, fused.biases, fused.scales, H, fused.qk_norm_f32,
-                                  fused.qk_eps, fused.post_eps, cos, sin, keys, values, cache.lengths, S, mask)
+                                  fused.qk_eps, fused.post_eps, cos, sin, keys, values, cache.lengths, S, mask,
+                                  cache.paired)
     x2 = x.reshape(B * T, hidden)
     qkv = fused.qkv(x2 if fused.input_eps is None else _normed(x2, fused.input_eps, kernels)).view(B, T, H + 2 * Hkv, D)
     qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]

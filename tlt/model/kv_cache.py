@@ -25,6 +25,12 @@ more bytes per step than the weights, so half of them is a faster step) and in f
 operator path runs attention in float32. Either cache holds the same values (bf16-rounded keys and
 values), so the choice changes speed, never a result. Attention masks of a bf16 cache stay float32
 (`mask_dtype`).
+A bf16 cache on the CPU keeps its values `paired`: slots 2i and 2i + 1 of a row share the 2 D elements of
+their two slot rows, dimension d of slot s at element 2 d + s % 2 (`pairs` is that view). It is the layout
+in which AMX tiles multiply weights by values over slots as the values lie (a B tile is 32 slots x 16
+dimensions), so the kernels' attention reads the cache without repacking it each step; everything here
+that moves single slots (`write`, `compact`) goes through `pairs`, and `write` hands the operator path
+its values in the usual layout. Keys keep the usual layout.
 The shortest and longest row lengths are kept as Python ints next to `lengths`, read once per change
 (not at all when every row advances alike), so writes and masks do not read them from the device.
 """
@@ -32,6 +38,17 @@ The shortest and longest row lengths are kept as Python ints next to `lengths`, 
 from __future__ import annotations
 
 import torch
+
+
+def pairs(values: torch.Tensor) -> torch.Tensor:
+    """Paired values [..., C, D] (C even) as the view [..., C / 2, 2, D]: slot s is [..., s // 2, s % 2, :]."""
+    *lead, C, D = values.shape
+    return values.view(*lead, C // 2, D, 2).transpose(-1, -2)
+
+
+def natural(values: torch.Tensor) -> torch.Tensor:
+    """Paired values [..., C, D] in the usual layout (a copy)."""
+    return pairs(values).reshape(values.shape)
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device, head_dim: int) -> torch.dtype:
@@ -62,9 +79,16 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         block: int = 64,
+        paired: bool | None = None,
     ) -> None:
+        """paired: values in the paired layout (module docstring); None: where the cache is bf16 on the CPU."""
         self.num_layers, self.num_kv_heads, self.head_dim, self.block = num_layers, num_kv_heads, head_dim, block
         self.dtype, self.device = dtype, torch.device(device)
+        if paired is None:
+            paired = dtype == torch.bfloat16 and self.device.type == "cpu"
+        if paired and (block % 2 or dtype != torch.bfloat16):
+            raise ValueError(f"paired values need a bf16 cache and an even block, got {dtype} and block {block}")
+        self.paired = paired
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.store = self._empty(batch_size, 0)
 
@@ -159,19 +183,26 @@ class KVCache:
         keys, values = self.keys[layer], self.values[layer]
         if self.min_length == longest:  # rows of equal length (prefill, batch 1): a plain slice write
             keys[:, :, longest : longest + T] = k
-            values[:, :, longest : longest + T] = v
+            if self.paired:
+                new = torch.arange(longest, longest + T, device=self.device)
+                pairs(values)[:, :, new // 2, new % 2] = v.to(self.dtype)
+            else:
+                values[:, :, longest : longest + T] = v
         else:
             slots = self.lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
             rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(slots)
             keys[rows, :, slots] = k.transpose(1, 2).to(self.dtype)  # [B, T, H_kv, D] into [B, H_kv, C, D]
-            values[rows, :, slots] = v.transpose(1, 2).to(self.dtype)
+            if self.paired:
+                pairs(values)[rows, :, slots // 2, slots % 2] = v.transpose(1, 2).to(self.dtype)
+            else:
+                values[rows, :, slots] = v.transpose(1, 2).to(self.dtype)
         end = longest + T
-        return keys[:, :, :end], values[:, :, :end]
+        return keys[:, :, :end], (natural(values) if self.paired else values)[:, :, :end]
 
     def buffers(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For a kernel that writes T new tokens itself, at slots lengths[b] .. lengths[b]+T-1 of row b:
-        the layer's key and value buffers [B, H_kv, C, D] with room for them, and S = longest row + T,
-        the slots attention then reads (as `write` returns them)."""
+        the layer's key and value buffers [B, H_kv, C, D] with room for them (values `paired` or not),
+        and S = longest row + T, the slots attention then reads (as `write` returns them)."""
         if self.max_length + T > self.capacity:
             self.reserve(T)
         return self.keys[layer], self.values[layer], self.max_length + T
@@ -208,7 +239,14 @@ class KVCache:
             return
         s = self._store
         lo, hi = int(base.min()), int(base.max())
-        if lo == hi:  # one start for every row (batch 1, unpadded drafts): gather within a slice
+        if self.paired:  # keys by slot, values by (pair, half)
+            src = base[:, None] + keep  # [B, K]
+            dst = base[:, None] + torch.arange(K, device=self.device)
+            rows = torch.arange(B, device=self.device)[:, None].expand_as(src)
+            keys, values = s[: self.num_layers], pairs(s[self.num_layers :])
+            keys[:, rows, :, dst] = keys[:, rows, :, src]
+            values[:, rows, :, dst // 2, dst % 2] = values[:, rows, :, src // 2, src % 2]
+        elif lo == hi:  # one start for every row (batch 1, unpadded drafts): gather within a slice
             new = s[..., lo : self.max_length, :]  # [2L, B, H_kv, W, D] the new slots
             index = keep[None, :, None, :, None].expand(s.shape[0], B, s.shape[2], K, s.shape[4])
             s[..., lo : lo + K, :] = new.gather(3, index)
