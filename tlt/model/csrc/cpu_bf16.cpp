@@ -31,8 +31,9 @@
 // the layout of an AMX B tile over slots. On AMX the keys are then A tiles as they lie in the cache (no
 // packing) and each row's weighted sum runs on the tiles (weights rounded to bf16) up to a split fixed by the
 // count of keys the row sees, then in float32 in slot order, so a tree node still gets plain decoding's bits
-// (tile_split). Bench policy (16 heads, 8 kv heads of 48), 24 rows x 1,200 cached tokens, a layer: 2.63 ->
-// 1.96 ms at one token a row, 5.41 -> 3.65 at nine (medians of 7, 12 caches so nothing stays in cache).
+// (tile_split). Bench policy (16 heads, 8 kv heads of 48), 24 rows x 1,200 cached tokens, a layer: 2.60 ->
+// 2.08 ms at one token a row, 5.65 -> 3.53 at nine (medians of 7, 12 caches so nothing stays in cache; 64 rows x
+// 300: 2.01 -> 1.53 and 4.43 -> 3.09).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -451,7 +452,8 @@ struct PackedSum {
 
 // weighted_values over R rows, BLOCK rows a pass (BLOCK * C accumulators in registers) and the rest in one block
 // of their own size (each row's sums are the same in any block). from[r]: where row r's sums start (its weights
-// before are zero or already summed into init), a block starting at its rows' least.
+// before are already summed into init); a block starts at its rows' least and zeroes the weights of a row from
+// there to the row's own start.
 template <int C, bool PAIRED, typename KV>
 TARGET void value_passes(const float* p, int64_t stride, int64_t R, const int64_t* from, int64_t S, const KV* v,
                          int64_t vs, __mmask16 last, const float* init, int64_t D, const float* total,
@@ -460,6 +462,8 @@ TARGET void value_passes(const float* p, int64_t stride, int64_t R, const int64_
   auto pass = [&](auto rows, int64_t r0) {
     constexpr int n = decltype(rows)::value;
     int64_t start = *std::min_element(from + r0, from + r0 + n);
+    for (int64_t r = r0; r < r0 + n; ++r)
+      if (from[r] > start) std::memset(const_cast<float*>(p) + r * stride + start, 0, (from[r] - start) * 4);
     weighted_values<C, n, PAIRED>(p + r0 * stride, stride, start, S, v, vs, last, init ? init + r0 * D : nullptr, D,
                                   total + r0, out + r0);
   };
@@ -611,12 +615,15 @@ TARGET_TILES void tile_values(const float* p, int64_t stride, int64_t R, const i
                               int64_t vs, int64_t D, float* acc) {
   int64_t blocks = (R + 15) / 16, chunks = D / 16, top = *std::max_element(split, split + R);
   thread_local std::vector<uint16_t> wb;  // [16 blocks][top] bf16 weights, zero from split[r]
-  wb.assign(blocks * 16 * top, 0);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t s = 0; s < split[r]; s += 32) {
+  wb.resize(blocks * 16 * top);
+  for (int64_t r = 0; r < blocks * 16; ++r) {
+    int64_t upto = r < R ? split[r] : 0;
+    for (int64_t s = 0; s < upto; s += 32) {
       __m512 lo = _mm512_loadu_ps(p + r * stride + s), hi = _mm512_loadu_ps(p + r * stride + s + 16);
       _mm512_storeu_si512(wb.data() + r * top + s, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
+    std::memset(wb.data() + r * top + upto, 0, (top - upto) * 2);
+  }
   uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
   uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
   tile_configure(rows, colsb);
@@ -666,14 +673,14 @@ TARGET int64_t tile_split(const float* mask, int64_t visible) {
 // [D] bf16. A score is linear's product of the query row and the key (one accumulator over the pairs of
 // dimensions in order, whatever the row's block), the keys packed once for all rows; values are read
 // once per block of rows. Where AMX runs (`tiles`) the scores take its tiles, the query rows padded with
-// zeros to qs, a multiple of 32, and the keys' pairs likewise; a query's scores are the same whatever R. With paired
-// values on tiles (D a multiple of 16) the keys are not packed (tile_scores) and each row's weighted sum runs on the
-// tiles up to its tile_split, then in float32 in slot order. `scores` holds R * stride floats (stride: S rounded
-// up to 32, plus 16), `packed` S * qs bf16 rounded up to 32 keys.
+// zeros to qs, a multiple of 32, and the keys' pairs likewise; a query's scores are the same whatever R.
+// With paired values on tiles (D a multiple of 16) the keys are not packed (tile_scores) and each row's
+// weighted sum runs on the tiles up to split[r] (its tile_split), then in float32 in slot order. `scores`
+// holds R * stride floats (stride: S rounded up to 32, plus 16), `packed` S * qs bf16 rounded up to 32 keys.
 template <int C, bool PAIRED, typename KV>
 TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
-                        const float* const* masks, const int64_t* visible, int64_t D, float scale, float* scores,
-                        uint32_t* packed, uint16_t* const* out, bool tiles) {
+                        const float* const* masks, const int64_t* visible, const int64_t* split, int64_t D,
+                        float scale, float* scores, uint32_t* packed, uint16_t* const* out, bool tiles) {
   int64_t S = *std::max_element(visible, visible + R), stride = (S + GROUP - 1) / GROUP * GROUP + 16;
   int64_t pairs = qs / 2;
   __mmask16 last = tail_mask(D - 16 * (C - 1));
@@ -731,11 +738,10 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
   thread_local std::vector<float> init;
   from.assign(R, 0);
   if (direct) {
-    for (int64_t r = 0; r < R; ++r) from[r] = tile_split(masks[r], visible[r]);
+    std::copy(split, split + R, from.begin());
     if (*std::max_element(from.begin(), from.end()) > 0) {
       init.resize((R + 15) / 16 * 16 * D);
       tile_values(scores, stride, R, from.data(), reinterpret_cast<const uint16_t*>(v), vs, D, init.data());
-      for (int64_t r = 0; r < R; ++r) std::memset(scores + r * stride, 0, from[r] * 4);  // summed on the tiles
       value_passes<C, PAIRED, KV>(scores, stride, R, from.data(), S, v, vs, last, init.data(), D, totals.data(), out);
       return;
     }
@@ -745,7 +751,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
 
 template <typename KV>
 using Attend = void (*)(const uint16_t*, int64_t, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
-                        const int64_t*, int64_t, float, float*, uint32_t*, uint16_t* const*, bool);
+                        const int64_t*, const int64_t*, int64_t, float, float*, uint32_t*, uint16_t* const*, bool);
 template <typename KV, bool PAIRED = false>
 constexpr Attend<KV> ATTEND[9] = {nullptr,
                                   attend_rows<1, PAIRED, KV>,
@@ -937,6 +943,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   int64_t R = group * T;
   bool tiles = amx();
   int64_t Dq = tiles ? (D + 31) / 32 * 32 : D;
+  // Where each query row's weighted sum leaves the tiles (tile_split): once a row and token, not a kv head.
+  bool direct = paired && tiles && D % 16 == 0;
+  std::vector<int64_t> splits(direct ? B * T : 0);
+  for (int64_t i = 0; i < (direct ? B * T : 0); ++i)
+    splits[i] = tile_split(mp ? mp + i / T * mb + i % T * mt : nullptr, mp ? S : S - T + i % T + 1);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
     thread_local std::vector<float> scores;
@@ -944,6 +955,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     thread_local std::vector<uint16_t> qb;
     thread_local std::vector<const float*> masks;
     thread_local std::vector<int64_t> visible;
+    thread_local std::vector<int64_t> split;
     thread_local std::vector<uint16_t*> outs;
     int64_t keys_up = (S + GROUP - 1) / GROUP * GROUP;
     scores.resize(R * (keys_up + 16));
@@ -951,6 +963,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     qb.assign(R * Dq, 0);
     masks.resize(R);
     visible.resize(R);
+    split.resize(R);
     outs.resize(R);
     for (int64_t i = i0; i < i1; ++i) {
       int64_t b = i / Hkv, j = i % Hkv;
@@ -959,6 +972,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         std::memcpy(&qb[r * Dq], qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), D * 2);
         masks[r] = mp ? mp + b * mb + t * mt : nullptr;
         visible[r] = mp ? S : S - T + t + 1;
+        split[r] = direct ? splits[b * T + t] : 0;
         outs[r] = op + (b * T + t) * H * D + h * D;
       }
       const char* kh = kp + (b * k.stride(0) + j * k.stride(1)) * item;
@@ -966,16 +980,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       if (paired)
         ATTEND<uint16_t, true>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                               reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
-                                              visible.data(), D, scale, scores.data(), packed.data(), outs.data(),
-                                              tiles);
+                                              visible.data(), split.data(), D, scale, scores.data(), packed.data(),
+                                              outs.data(), tiles);
       else if (half)
         ATTEND<uint16_t>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                         reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
-                                        visible.data(), D, scale, scores.data(), packed.data(), outs.data(), tiles);
+                                        visible.data(), split.data(), D, scale, scores.data(), packed.data(),
+                                        outs.data(), tiles);
       else
         ATTEND<float>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const float*>(kh), k.stride(2),
                                      reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), visible.data(),
-                                     D, scale, scores.data(), packed.data(), outs.data(), tiles);
+                                     split.data(), D, scale, scores.data(), packed.data(), outs.data(), tiles);
     }
   });
   return out;
