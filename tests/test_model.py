@@ -281,6 +281,35 @@ def test_compaction_moves_paired_values_with_their_slots(bases):
         assert torch.equal(logical_store(caches[1])[:, b, :, :n], logical_store(caches[0])[:, b, :, :n])
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_rows_dropped_in_place_keep_the_same_slots_and_free_their_memory_at_the_next_growth(paired):
+    """`select_rows` keeping most rows in order moves the rows behind a dropped one down in place: every
+    kept row holds what it held, in keys and (paired) values alike; the dropped rows' memory is held
+    until the next growth; a selection that reorders or keeps few rows copies as before."""
+    L, B, H, D = 2, 5, 2, 4
+    dtype = torch.bfloat16 if paired else torch.float32
+    cache = KVCache(L, B, H, D, dtype=dtype, block=8)
+    cache.reserve(16)
+    cache.store.normal_(generator=torch.Generator().manual_seed(3))
+    cache.lengths = torch.tensor([16, 9, 12, 5, 16])
+    before = logical_store(cache).clone()
+    held = cache.nbytes()
+    cache.select_rows([0, 2, 4])  # rows 1 and 3 finished
+    assert cache.lengths.tolist() == [16, 12, 16] and cache.batch_size == 3
+    for new, old in enumerate([0, 2, 4]):
+        n = cache.lengths[new]
+        assert torch.equal(logical_store(cache)[:, new, :, :n], before[:, old, :, :n])
+    assert cache.nbytes() == held  # in place: nothing freed yet
+    cache.reserve(1)  # the next growth allocates the three rows only
+    assert cache.nbytes() < held and cache.capacity == 24
+    for new, old in enumerate([0, 2, 4]):
+        n = cache.lengths[new]
+        assert torch.equal(logical_store(cache)[:, new, :, :n], before[:, old, :, :n])
+    cache.select_rows([2, 0])  # reordered: copied
+    assert cache.lengths.tolist() == [16, 16]
+    assert torch.equal(logical_store(cache)[:, 0, :, :16], before[:, 4, :, :16])
+
+
 def test_cache_memory_follows_live_tokens(tiny_model):
     model = tiny_model()
     cache = model.new_cache(4, block=16)

@@ -5,7 +5,8 @@ values (entries L .. 2L-1); `keys[l]` and `values[l]` are views of it. Row b hol
 cached tokens left-aligned in slots 0 .. lengths[b]-1, in sequence order; slots past a row's length
 hold stale but finite values and are never attended. Rows may have different lengths. C, the capacity,
 is a multiple of `block` and follows the live tokens: it grows when a write would overflow and shrinks
-when the longest rows leave, so memory is proportional to max(lengths) x live rows. One tensor for all
+when the longest rows leave, so memory is proportional to max(lengths) x live rows (rows that leave a
+batch in place are freed at the next growth). One tensor for all
 layers makes the edits below one indexing op each instead of one per layer and per key/value.
 
 A forward over T new tokens writes them at slots lengths[b] .. lengths[b]+T-1 (`write`) and then
@@ -15,7 +16,7 @@ index arithmetic leaks into the engine:
   - `retract(n)`: forget the last n tokens of every row (a drafter's tree slots, written alike in all rows);
   - `compact(base, keep, counts)`: keep only chosen new slots, moved to follow `base` (the accepted path
     of a tree draft);
-  - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch);
+  - `select_rows(rows)`: drop or reorder sequences (finished ones leave the batch, in place);
   - `fork(counts)`: repeat each row counts[b] times (n samples of one prompt share one prefill);
   - `concat(caches)`: join batches (admitting freshly prefilled requests).
 Keys and values of a bf16 model on the CPU are stored in bf16 where tlt's kernels run (their attention
@@ -152,12 +153,14 @@ class KVCache:
         return self._bounds[0]
 
     def nbytes(self) -> int:
-        return self._store.numel() * self._store.element_size()
+        """Bytes held by the store (rows dropped in place still count until the next growth)."""
+        return self._store.untyped_storage().nbytes()
 
     def _resize(self, capacity: int) -> None:
         keep = min(capacity, self.capacity)
-        new = self._empty(self.batch_size, capacity)
+        new = torch.empty(*self._store.shape[:3], capacity, self.head_dim, dtype=self.dtype, device=self.device)
         new[..., :keep, :] = self._store[..., :keep, :]
+        new[..., keep:, :] = 0  # as `_empty`: no garbage in slots attention may weigh by 0
         self.store = new
 
     def reserve(self, new_tokens: int) -> None:
@@ -258,11 +261,24 @@ class KVCache:
         self.lengths = base + counts
 
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep (and reorder) the given rows; memory of dropped rows is released."""
+        """Keep (and reorder) the given rows. Most rows kept in order (finished rows leaving a large
+        batch): the rows behind the first dropped one move down in place and the dropped rows' memory
+        goes at the next growth, instead of the whole cache being copied into a fresh allocation each
+        time a row finishes (24 rows x 600 cached tokens of the bench policy: ~40 ms a copy). Otherwise
+        the kept rows are copied and the dropped rows' memory is released."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        n = rows.numel()
+        in_order = n < 2 or bool((rows[1:] > rows[:-1]).all())
         self.lengths = self.lengths[rows]
         fit = -(-self.max_length // self.block) * self.block
-        self.store = self._store[:, rows, :, :fit]
+        if in_order and 2 * n >= self._store.shape[1]:
+            moved = (rows != torch.arange(n, device=self.device)).nonzero()
+            if len(moved):
+                first = int(moved[0])
+                self._store[:, first:n] = self._store[:, rows[first:]]
+            self.store = self._store[:, :n, :, :fit]
+        else:
+            self.store = self._store[:, rows, :, :fit]
 
     def fork(self, counts: torch.Tensor | list[int]) -> None:
         """Repeat row b counts[b] times, in place (rows stay grouped)."""
