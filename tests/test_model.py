@@ -261,24 +261,28 @@ def test_writes_to_rows_of_different_lengths_land_in_their_slots(paired):
 
 @pytest.mark.parametrize("bases", [[5, 5, 5], [5, 3, 7]])
 def test_compaction_moves_paired_values_with_their_slots(bases):
-    """`compact` on a cache with paired values keeps the same slots as on one in the usual layout, whether
-    the rows' accepted paths start at one slot or at several (odd and even starts, odd and even moves)."""
+    """`compact` on a bf16 cache, values paired or not, keeps the same slots as the indexing path on a float32
+    cache of the same values, whether the rows' accepted paths start at one slot or at several (odd and even
+    starts, odd and even moves)."""
     L, B, H, D = 2, 3, 2, 4
     data = torch.randn(2 * L, B, H, 16, D).bfloat16()
-    caches = [KVCache(L, B, H, D, dtype=torch.bfloat16, block=8, paired=p) for p in (False, True)]
+    # a float32 cache of the same values (the indexing path) against bf16 ones (tlt's kernels where they run)
+    caches = [KVCache(L, B, H, D, dtype=torch.float32, block=8)]
+    caches += [KVCache(L, B, H, D, dtype=torch.bfloat16, block=8, paired=p) for p in (False, True)]
     for c in caches:
         c.reserve(16)
         c.lengths = torch.tensor([12, 12, 12])
     caches[0].store.copy_(data)
-    caches[1].store[:L] = data[:L]
-    pairs(caches[1].store[L:])[:] = data[L:].view(2 * L - L, B, H, 8, 2, D)
-    assert torch.equal(logical_store(caches[1]), logical_store(caches[0]))
+    caches[1].store.copy_(data)
+    caches[2].store[:L] = data[:L]
+    pairs(caches[2].store[L:])[:] = data[L:].view(2 * L - L, B, H, 8, 2, D)
     keep = torch.tensor([[0, 2, 3], [1, 4, 0], [0, 1, 2]])
     for c in caches:
         c.compact(torch.tensor(bases), keep, torch.tensor([3, 2, 3]))
-    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [b + n for b, n in zip(bases, [3, 2, 3])]
-    for b, n in enumerate(caches[0].lengths.tolist()):
-        assert torch.equal(logical_store(caches[1])[:, b, :, :n], logical_store(caches[0])[:, b, :, :n])
+    for c in caches:
+        assert c.lengths.tolist() == [b + n for b, n in zip(bases, [3, 2, 3])]
+        for b, n in enumerate(c.lengths.tolist()):
+            assert torch.equal(logical_store(c)[:, b, :, :n].float(), logical_store(caches[0])[:, b, :, :n])
 
 
 @pytest.mark.parametrize("paired", [False, True])

@@ -107,6 +107,14 @@ def kernels():
     return _module
 
 
+def loaded():
+    """The compiled module, or None where it cannot run, without `kernels`' warning (for callers whose
+    fallback gives the same result)."""
+    if _module is None and _reason is None:
+        _load()
+    return _module
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] bf16 (K even) -> [ceil(N / 32), K / 2, 32, 2]: group g holds output columns
     32 g ... 32 g + 31 (zero past N), k in pairs."""

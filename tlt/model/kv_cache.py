@@ -240,6 +240,12 @@ class KVCache:
         if K == 0:
             self.rollback(base)
             return
+        kernels = self._kernels()
+        if kernels is not None:  # one call for every layer, row and head instead of indexing ops
+            kernels.compact(self._store, self.num_layers, base.long().contiguous(), keep.long().contiguous(),
+                            counts.long().contiguous(), self.paired)
+            self.lengths = base + counts
+            return
         s = self._store
         lo, hi = int(base.min()), int(base.max())
         if self.paired:  # keys by slot, values by (pair, half)
@@ -259,6 +265,15 @@ class KVCache:
             rows = torch.arange(B, device=self.device)[:, None].expand_as(src)
             s[:, rows, :, dst] = s[:, rows, :, src]
         self.lengths = base + counts
+
+    def _kernels(self):
+        """tlt's CPU kernels where they hold this cache (bf16 on the CPU: `cache_dtype` chose it for them),
+        else None."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        from tlt.model import cpu_kernels
+
+        return cpu_kernels.loaded()
 
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Keep (and reorder) the given rows. Most rows kept in order (finished rows leaving a large

@@ -1152,6 +1152,66 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+namespace {
+// Slot src's D values of a paired row (weighted_values' layout, row stride D) copied to slot dst: sixteen
+// dimensions at a time, the source's half of each 32-bit lane into the destination's half.
+TARGET void move_paired(uint16_t* v, int64_t D, int64_t src, int64_t dst) {
+  const uint16_t* from = v + src / 2 * 2 * D;
+  uint16_t* to = v + dst / 2 * 2 * D;
+  for (int64_t d = 0; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    __m512i x = _mm512_maskz_loadu_epi32(m, from + 2 * d);
+    x = src % 2 ? _mm512_srli_epi32(x, 16) : _mm512_and_si512(x, _mm512_set1_epi32(0xffff));
+    if (dst % 2) x = _mm512_slli_epi32(x, 16);
+    uint32_t lanes = 0;
+    for (int i = 0; i < 16; ++i)
+      if (m >> i & 1) lanes |= (dst % 2 ? 2u : 1u) << (2 * i);
+    _mm512_mask_storeu_epi16(to + 2 * d, lanes, x);
+  }
+}
+}  // namespace
+
+// KVCache.compact on the store [2L, B, H_kv, C, D] (float32 or bf16, rows of D contiguous, any strides otherwise;
+// entries L.. paired values where `paired`): in every layer's keys and values, row b's slot base[b] + keep[b][j]
+// moves to base[b] + j for j < counts[b] (base, counts [B], keep [B, K] int64). keep ascends, so moving in
+// increasing j never overwrites a slot still to be read.
+void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor keep, torch::Tensor counts,
+             bool paired) {
+  TORCH_CHECK(store.dim() == 5 && store.stride(4) == 1 && store.size(0) == 2 * L &&
+              (store.scalar_type() == torch::kFloat32 || store.scalar_type() == torch::kBFloat16),
+              "compact: store must be [2L, B, H_kv, C, D] float32 or bf16 with contiguous rows");
+  int64_t B = store.size(1), H = store.size(2), C = store.size(3), D = store.size(4), K = keep.size(1);
+  TORCH_CHECK(base.scalar_type() == torch::kLong && keep.scalar_type() == torch::kLong &&
+              counts.scalar_type() == torch::kLong && base.is_contiguous() && keep.is_contiguous() &&
+              counts.is_contiguous() && base.numel() == B && counts.numel() == B && keep.dim() == 2 &&
+              keep.size(0) == B, "compact: base, counts [B] and keep [B, K] must be int64");
+  TORCH_CHECK(!paired || (store.scalar_type() == torch::kBFloat16 && store.stride(3) == D && C % 2 == 0),
+              "compact: paired values must be bf16 with slot rows next to each other");
+  const int64_t* bp = base.data_ptr<int64_t>();
+  const int64_t* kp = keep.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < cp[b]; ++j)
+      TORCH_CHECK(j < K && bp[b] >= 0 && bp[b] + kp[b * K + j] < C && (j == 0 || kp[b * K + j] > kp[b * K + j - 1]),
+                  "compact: row ", b, " keeps slots outside the cache or not ascending");
+  char* data = static_cast<char*>(store.data_ptr());
+  int64_t item = store.element_size();
+  at::parallel_for(0, 2 * L * B * H, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t half = i / (B * H), b = i / H % B, h = i % H;
+      char* row = data + (half * store.stride(0) + b * store.stride(1) + h * store.stride(2)) * item;
+      for (int64_t j = 0; j < cp[b]; ++j) {
+        int64_t src = bp[b] + kp[b * K + j], dst = bp[b] + j;
+        if (src == dst) continue;
+        if (paired && half >= L)
+          move_paired(reinterpret_cast<uint16_t*>(row), D, src, dst);
+        else
+          std::memmove(row + dst * store.stride(3) * item, row + src * store.stride(3) * item, D * item);
+      }
+    }
+  });
+}
+
 // One decoder layer's inference step on the packed weights of tlt/model/fused.py's FusedWeights, the
 // operators fused_layer_step calls one by one, in one call: x [B, T, hidden] bf16 contiguous;
 // input_eps < 0: no input norm (a drafter's layer); weights[i] packed for linear, sizes[i] its N,
@@ -1195,6 +1255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales") = py::none());
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
+  m.def("compact", &compact);
   m.def("layer_step", &layer_step, py::arg("x"), py::arg("input_eps"), py::arg("weights"), py::arg("sizes"),
         py::arg("biases"), py::arg("scales"), py::arg("H"), py::arg("qk_norm"), py::arg("qk_eps"), py::arg("post_eps"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("S"),
