@@ -260,10 +260,13 @@ def test_writes_to_rows_of_different_lengths_land_in_their_slots(paired):
 
 
 @pytest.mark.parametrize("bases", [[5, 5, 5], [5, 3, 7]])
-def test_compaction_moves_paired_values_with_their_slots(bases):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_compaction_moves_paired_values_with_their_slots(bases, kernel, monkeypatch):
     """`compact` on a bf16 cache, values paired or not, keeps the same slots as the indexing path on a float32
     cache of the same values, whether the rows' accepted paths start at one slot or at several (odd and even
-    starts, odd and even moves)."""
+    starts, odd and even moves); also with the kernel turned off (the indexing path of paired values)."""
+    if not kernel:
+        monkeypatch.setattr(KVCache, "_kernels", lambda self: None)
     L, B, H, D = 2, 3, 2, 4
     data = torch.randn(2 * L, B, H, 16, D).bfloat16()
     # a float32 cache of the same values (the indexing path) against bf16 ones (tlt's kernels where they run)
@@ -312,6 +315,22 @@ def test_rows_dropped_in_place_keep_the_same_slots_and_free_their_memory_at_the_
     cache.select_rows([2, 0])  # reordered: copied
     assert cache.lengths.tolist() == [16, 16]
     assert torch.equal(logical_store(cache)[:, 0, :, :16], before[:, 4, :, :16])
+    # a cache whose rows left in place (a strided view of its old store) compacts and joins like a fresh one
+    cache = KVCache(L, B, H, D, dtype=dtype, block=8)
+    cache.reserve(16)
+    cache.store.normal_(generator=torch.Generator().manual_seed(4))
+    cache.lengths = torch.tensor([16, 9, 12, 5, 16])
+    cache.select_rows([0, 2, 4])
+    fresh = KVCache(L, 3, H, D, dtype=dtype, block=8)
+    fresh.reserve(16)
+    fresh.store.copy_(cache.store)
+    fresh.lengths = cache.lengths.clone()
+    for c in (cache, fresh):
+        c.compact(torch.tensor([10, 8, 10]), torch.tensor([[1, 3], [0, 2], [2, 5]]), torch.tensor([2, 2, 2]))
+    joined = [KVCache.concat([c, fresh]) for c in (cache, fresh)]
+    assert torch.equal(joined[0].lengths, joined[1].lengths)
+    for b, n in enumerate(joined[0].lengths.tolist()):
+        assert torch.equal(logical_store(joined[0])[:, b, :, :n], logical_store(joined[1])[:, b, :, :n])
 
 
 def test_cache_memory_follows_live_tokens(tiny_model):

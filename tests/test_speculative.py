@@ -246,6 +246,11 @@ def test_strategy_names_round_trip_and_validation():
         Strategy.parse("tree-x3")
     with pytest.raises(tlt.ConfigError):
         Strategy(kind="beam")
+    # paths deeper than the CPU attention keeps bit for bit (hybrid rows take suffix paths verify_tokens deep)
+    assert Strategy.parse("suffix-d63-v64").depth == 63
+    for deep in ("tree-d64-k1-v64", "suffix-d64-v64", "hybrid-d4-k4-v64"):
+        with pytest.raises(tlt.ConfigError, match="must be <= 63"):
+            Strategy.parse(deep)
     with pytest.raises(ValueError, match="needs a drafter"):
         engine(random_target(), "tree-d3-k2-v4")
 

@@ -24,7 +24,8 @@ reads bf16 keys and values into float32 arithmetic; at 8 rows of 1,500 cached to
 more bytes per step than the weights, so half of them is a faster step) and in float32 otherwise
 (`cache_dtype`): CPU batched matmuls in bf16 cost 2-5x their float32 twins at decode sizes, so the
 operator path runs attention in float32. Either cache holds the same values (bf16-rounded keys and
-values), so the choice changes speed, never a result. Attention masks of a bf16 cache stay float32
+values); on AMX the kernels' attention over a bf16 cache weighs most keys with bf16-rounded weights on
+the tiles, so the two agree within that rounding rather than bit for bit. Attention masks of a bf16 cache stay float32
 (`mask_dtype`).
 A bf16 cache on the CPU keeps its values `paired`: slots 2i and 2i + 1 of a row share the 2 D elements of
 their two slot rows, dimension d of slot s at element 2 d + s % 2 (`pairs` is that view). It is the layout
@@ -200,7 +201,9 @@ class KVCache:
             else:
                 values[rows, :, slots] = v.transpose(1, 2).to(self.dtype)
         end = longest + T
-        return keys[:, :, :end], (natural(values) if self.paired else values)[:, :, :end]
+        if self.paired:  # the usual layout for the operator path, of the slots it reads (whole pairs)
+            return keys[:, :, :end], natural(values[:, :, : end + end % 2])[:, :, :end]
+        return keys[:, :, :end], values[:, :, :end]
 
     def buffers(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For a kernel that writes T new tokens itself, at slots lengths[b] .. lengths[b]+T-1 of row b:

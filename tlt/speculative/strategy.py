@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from tlt.errors import ConfigError
 
 KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
+# The deepest draft path a verification may hold: tlt's CPU attention keeps a tree node's result plain
+# decoding's bit for bit while a row sees at most 64 keys from its first masked one on (csrc/cpu_bf16.cpp
+# TILE_MARGIN), the node and its ancestors.
+MAX_DEPTH = 63
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,11 @@ class Strategy:
                 raise ConfigError(f"Strategy field {name!r} must be >= 1, got {getattr(self, name)}")
         if self.kind in ("tree", "hybrid") and self.verify_tokens < self.depth:
             raise ConfigError(f"a tree of depth {self.depth} needs verify_tokens >= depth, got {self.verify_tokens}")
+        deepest = max(self.depth, self.verify_tokens) if self.kind == "hybrid" else self.depth  # hybrid's suffix rows
+        if deepest > MAX_DEPTH:
+            field = "depth" if self.depth > MAX_DEPTH else "verify_tokens"
+            raise ConfigError(f"Strategy field {field!r} must be <= {MAX_DEPTH} for a {self.kind} draft (its paths "
+                              f"would reach {deepest} tokens deep), got {getattr(self, field)}")
 
     @property
     def uses_drafter(self) -> bool:

@@ -647,23 +647,29 @@ TARGET_TILES void tile_values(const float* p, int64_t stride, int64_t R, const i
   _tile_release();
 }
 
-// Where row r's weighted sum leaves the tiles for weighted_values: a multiple of 32 at least 32 short of its count n of
-// visible keys, 0 under 64 or where a masked key lies before it. Counted over the row's visible keys only, a row of a
-// tree's verification (its cache, then its ancestors among the draft's slots) splits where plain decoding's same
-// row (the same keys, next to each other) does, and both sum the same keys in the same tiles, so they agree bit
-// for bit: the masked keys of a draft lie among its last T slots, fewer than 32 past the split.
+// Keys a row may see past its first masked key with its weighted sum still plain decoding's bit for bit: a draft's
+// path (its depth + 1; tlt's strategies stay within it, tlt/speculative/strategy.py MAX_DEPTH).
+constexpr int64_t TILE_MARGIN = 64;
+
+// Where row r's weighted sum leaves the tiles for weighted_values: a multiple of 32 at least TILE_MARGIN short of its
+// count n of visible keys, 0 below that or where a masked key lies before it. Counted over the row's visible keys
+// only, a row of a tree's verification (its cache, then its ancestors among the draft's slots) splits where plain
+// decoding's same row (the same keys, next to each other) does, and both sum the same keys in the same tiles, so
+// they agree bit for bit: the masked keys of a draft lie among its last slots, past the split as long as the row
+// sees at most TILE_MARGIN keys from the first of them on.
 TARGET int64_t tile_split(const float* mask, int64_t visible) {
   int64_t n = visible, gap = visible;
   if (mask) {
     n = 0;
     for (int64_t s = 0; s < visible; s += 16) {
       __mmask16 m = count_mask(visible - s);
-      __mmask16 hidden = _mm512_mask_cmp_ps_mask(m, _mm512_loadu_ps(mask + s), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+      __mmask16 hidden =
+          _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, mask + s), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
       n += __builtin_popcount(m & ~hidden);
       if (hidden && gap == visible) gap = s + __builtin_ctz(hidden);
     }
   }
-  int64_t split = n >= 64 ? (n - 32) / 32 * 32 : 0;
+  int64_t split = n >= TILE_MARGIN + 32 ? (n - TILE_MARGIN) / 32 * 32 : 0;
   return split <= gap ? split : 0;
 }
 
@@ -919,6 +925,12 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   TORCH_CHECK(D <= 16 * MAX_CHUNKS && D % 2 == 0, "attention: head dim must be even and at most ", 16 * MAX_CHUNKS);
   TORCH_CHECK(!paired || (v.scalar_type() == torch::kBFloat16 && v.stride(2) == D),
               "attention: paired values must be bf16 with slot rows next to each other");
+  // An odd S reads the pair row of slot S - 1 whole: slot S must lie inside the values' storage (a cache's even
+  // capacity), holding finite values.
+  TORCH_CHECK(!paired || S % 2 == 0 ||
+                  (v.storage_offset() + (B - 1) * v.stride(0) + (Hkv - 1) * v.stride(1) + (S + 1) * D) * 2 <=
+                      static_cast<int64_t>(v.storage().nbytes()),
+              "attention: paired values over an odd slot count need the next slot in their buffer");
   const float* mp = nullptr;
   int64_t mb = 0, mt = 0;
   if (mask && mask->defined()) {
@@ -1192,7 +1204,8 @@ void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor k
   const int64_t* cp = counts.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < cp[b]; ++j)
-      TORCH_CHECK(j < K && bp[b] >= 0 && bp[b] + kp[b * K + j] < C && (j == 0 || kp[b * K + j] > kp[b * K + j - 1]),
+      TORCH_CHECK(j < K && bp[b] >= 0 && kp[b * K + j] >= 0 && bp[b] + kp[b * K + j] < C &&
+                      (j == 0 || kp[b * K + j] > kp[b * K + j - 1]),
                   "compact: row ", b, " keeps slots outside the cache or not ascending");
   char* data = static_cast<char*>(store.data_ptr());
   int64_t item = store.element_size();
