@@ -299,6 +299,23 @@ def paired(values: torch.Tensor) -> torch.Tensor:
     return padded.view(B, H, even // 2, 2, D).transpose(-1, -2).contiguous().view(B, H, even, D)[:, :, :S]
 
 
+def tree_visibility(parents: list[int], n: int) -> tuple[list[list[int]], torch.Tensor]:
+    """For a draft tree (node j's parent, -1 for the root) written after n cached keys: the slots each node
+    sees (the cache, then its path from the root) and the additive mask [1, 1, T, n + T] of a verification."""
+    T = len(parents)
+    seen = []
+    for j in range(T):
+        path, a = [], j
+        while a >= 0:
+            path.append(n + a)
+            a = parents[a]
+        seen.append([*range(n), *reversed(path)])
+    allowed = torch.zeros(1, 1, T, n + T, dtype=torch.bool)
+    for j, slots in enumerate(seen):
+        allowed[0, 0, j, slots] = True
+    return seen, torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+
+
 @needs_kernels
 @pytest.mark.parametrize("D", [48, 128, 40])
 @pytest.mark.parametrize("S", [9, 65, 200])
@@ -355,17 +372,7 @@ def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, 
     parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5]  # node j's parent; node 0 is the root
     T = len(parents)
     dtype = torch.bfloat16 if half else torch.float32
-    seen = []
-    for j in range(T):
-        path, a = [], j
-        while a >= 0:
-            path.append(n + a)
-            a = parents[a]
-        seen.append([*range(n), *reversed(path)])
-    allowed = torch.zeros(1, 1, T, n + T, dtype=torch.bool)
-    for j, slots in enumerate(seen):
-        allowed[0, 0, j, slots] = True
-    mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+    seen, mask = tree_visibility(parents, n)
     mask[..., n // 2] = -500.0  # a key every node sees, with a weight of exactly zero
     for draw in range(4):
         gen = torch.Generator().manual_seed(1000 * draw + n * group)
@@ -395,17 +402,7 @@ def test_a_deep_draft_path_equals_plain_decoding_bit_for_bit(n, seed=7):
     keys = torch.randn(1, Hkv, n + T, D, generator=gen).bfloat16()
     values = torch.randn(1, Hkv, n + T, D, generator=gen).bfloat16()
     q = torch.randn(1, Hkv * group, T, D, generator=gen).bfloat16()
-    seen = []
-    for j in range(T):
-        path, a = [], j
-        while a >= 0:
-            path.append(n + a)
-            a = parents[a]
-        seen.append([*range(n), *reversed(path)])
-    allowed = torch.zeros(1, 1, T, n + T, dtype=torch.bool)
-    for j, slots in enumerate(seen):
-        allowed[0, 0, j, slots] = True
-    mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+    seen, mask = tree_visibility(parents, n)
     tree = kernels.attention(q, keys, paired(values), mask, True)
     for j, slots in enumerate(seen):
         plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
