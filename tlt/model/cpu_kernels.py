@@ -98,9 +98,7 @@ def kernels():
     """The compiled module (`linear`, `rms_norm`), or None where it cannot run; the first None warns with
     the reason."""
     global _warned
-    if _module is None and _reason is None:
-        _load()
-    if _module is None and not _warned:
+    if loaded() is None and not _warned:
         _warned = True
         warnings.warn(f"tlt: bf16 CPU kernels unavailable: {_reason}; bf16 products use oneDNN "
                       f"(a one-token step runs about half as fast)", RuntimeWarning, stacklevel=2)

@@ -25,8 +25,8 @@ more bytes per step than the weights, so half of them is a faster step) and in f
 (`cache_dtype`): CPU batched matmuls in bf16 cost 2-5x their float32 twins at decode sizes, so the
 operator path runs attention in float32. Either cache holds the same values (bf16-rounded keys and
 values); on AMX the kernels' attention over a bf16 cache weighs most keys with bf16-rounded weights on
-the tiles, so the two agree within that rounding rather than bit for bit. Attention masks of a bf16 cache stay float32
-(`mask_dtype`).
+the tiles, so the two agree within that rounding rather than bit for bit. Attention masks of a bf16
+cache stay float32 (`mask_dtype`).
 A bf16 cache on the CPU keeps its values `paired`: slots 2i and 2i + 1 of a row share the 2 D elements of
 their two slot rows, dimension d of slot s at element 2 d + s % 2 (`pairs` is that view). It is the layout
 in which AMX tiles multiply weights by values over slots as the values lie (a B tile is 32 slots x 16
@@ -250,15 +250,7 @@ class KVCache:
             self.lengths = base + counts
             return
         s = self._store
-        lo, hi = int(base.min()), int(base.max())
-        if self.paired:  # keys by slot, values by (pair, half)
-            src = base[:, None] + keep  # [B, K]
-            dst = base[:, None] + torch.arange(K, device=self.device)
-            rows = torch.arange(B, device=self.device)[:, None].expand_as(src)
-            keys, values = s[: self.num_layers], pairs(s[self.num_layers :])
-            keys[:, rows, :, dst] = keys[:, rows, :, src]
-            values[:, rows, :, dst // 2, dst % 2] = values[:, rows, :, src // 2, src % 2]
-        elif lo == hi:  # one start for every row (batch 1, unpadded drafts): gather within a slice
+        if not self.paired and (lo := int(base.min())) == int(base.max()):  # one start (batch 1, unpadded drafts)
             new = s[..., lo : self.max_length, :]  # [2L, B, H_kv, W, D] the new slots
             index = keep[None, :, None, :, None].expand(s.shape[0], B, s.shape[2], K, s.shape[4])
             s[..., lo : lo + K, :] = new.gather(3, index)
@@ -266,7 +258,12 @@ class KVCache:
             src = base[:, None] + keep  # [B, K]
             dst = base[:, None] + torch.arange(K, device=self.device)  # [B, K]
             rows = torch.arange(B, device=self.device)[:, None].expand_as(src)
-            s[:, rows, :, dst] = s[:, rows, :, src]
+            if self.paired:  # keys by slot, values by (pair, half)
+                keys, values = s[: self.num_layers], pairs(s[self.num_layers :])
+                keys[:, rows, :, dst] = keys[:, rows, :, src]
+                values[:, rows, :, dst // 2, dst % 2] = values[:, rows, :, src // 2, src % 2]
+            else:
+                s[:, rows, :, dst] = s[:, rows, :, src]
         self.lengths = base + counts
 
     def _kernels(self):

@@ -31,9 +31,10 @@
 // the layout of an AMX B tile over slots. On AMX the keys are then A tiles as they lie in the cache (no
 // packing) and each row's weighted sum runs on the tiles (weights rounded to bf16) up to a split fixed by the
 // count of keys the row sees, then in float32 in slot order, so a tree node still gets plain decoding's bits
-// (tile_split). Bench policy (16 heads, 8 kv heads of 48), 24 rows x 1,200 cached tokens, a layer: 2.60 ->
-// 2.08 ms at one token a row, 5.65 -> 3.53 at nine (medians of 7, 12 caches so nothing stays in cache; 64 rows x
-// 300: 2.01 -> 1.53 and 4.43 -> 3.09).
+// (tile_split). Bench policy (16 heads, 8 kv heads of 48), 24 rows x 1,200 cached tokens, a layer: 2.08 ms at
+// one token a row and 3.53 at nine, against 2.60 and 5.65 with the keys packed per call and the weighted sums
+// in float32 FMAs (medians of 7, 12 caches so nothing stays in cache; 64 rows x 300: 1.53 and 3.09 against 2.01
+// and 4.43).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -149,7 +150,7 @@ TARGET void block4(const uint16_t* x, int64_t x_stride, const uint8_t* w, int64_
 // which they do whatever M (the choice depends on the machine and K only): the tiles' sums can differ from
 // the AVX-512 block's in the last bit. At one row the tiles stream about as fast (92 MB of weights: 1.77
 // against 1.71 ms), at 8 rows 1.8x faster (1.87 against 3.31 ms).
-#define TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -157,14 +158,19 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0, 1: C (R rows x 16 float32) for columns 0-15, 16-31; tile 2: A (R rows x 32 bf16); tiles 3, 4: B
-TARGET_AMX void amx_configure(int64_t R) {
+// Tiles 0-7 configured with rows[t] rows of colsb[t] bytes.
+TARGET_AMX void tile_configure(const uint8_t* rows, const uint16_t* colsb) {
   TileConfig c;
-  for (int t = 0; t < 5; ++t) c.colsb[t] = 64;
-  c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)R;
-  c.rows[3] = c.rows[4] = 16;
+  for (int t = 0; t < 8; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
   asm volatile("" : : "r"(&c) : "memory");  // GCC does not see ldtilecfg read c: keep the stores above
   _tile_loadconfig(&c);
+}
+
+// tiles 0, 1: C (R rows x 16 float32) for columns 0-15, 16-31; tile 2: A (R rows x 32 bf16); tiles 3, 4: B
+TARGET_AMX void amx_configure(int64_t R) {
+  uint8_t rows[8] = {(uint8_t)R, (uint8_t)R, (uint8_t)R, 16, 16, 0, 0, 0};
+  uint16_t colsb[8] = {64, 64, 64, 64, 64, 0, 0, 0};
+  tile_configure(rows, colsb);
 }
 
 // acc_out[r][c] for R (<= 16, the configured count) rows x one group; pairs a multiple of 16
@@ -479,10 +485,8 @@ TARGET void value_passes(const float* p, int64_t stride, int64_t R, const int64_
   }
 }
 
-#define TARGET_TILES __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
-
 // Tile numbers are instructions' immediates: these pick them from a small variable.
-TARGET_TILES inline void tile_load(int t, const void* p, int64_t stride) {
+TARGET_AMX inline void tile_load(int t, const void* p, int64_t stride) {
   switch (t) {
     case 0: _tile_loadd(0, p, stride); break;
     case 1: _tile_loadd(1, p, stride); break;
@@ -494,7 +498,7 @@ TARGET_TILES inline void tile_load(int t, const void* p, int64_t stride) {
     default: _tile_loadd(7, p, stride); break;
   }
 }
-TARGET_TILES inline void tile_store(int t, void* p, int64_t stride) {
+TARGET_AMX inline void tile_store(int t, void* p, int64_t stride) {
   switch (t) {
     case 0: _tile_stored(0, p, stride); break;
     case 1: _tile_stored(1, p, stride); break;
@@ -504,7 +508,7 @@ TARGET_TILES inline void tile_store(int t, void* p, int64_t stride) {
     default: _tile_stored(5, p, stride); break;
   }
 }
-TARGET_TILES inline void tile_clear(int t) {
+TARGET_AMX inline void tile_clear(int t) {
   switch (t) {
     case 0: _tile_zero(0); break;
     case 1: _tile_zero(1); break;
@@ -515,7 +519,7 @@ TARGET_TILES inline void tile_clear(int t) {
   }
 }
 // C tile 6 += A tile a (0-3) . B tile b (4 or 5)
-TARGET_TILES inline void scores_product(int a, int b) {
+TARGET_AMX inline void scores_product(int a, int b) {
   if (b == 4) {
     switch (a) {
       case 0: _tile_dpbf16ps(6, 0, 4); break;
@@ -533,7 +537,7 @@ TARGET_TILES inline void scores_product(int a, int b) {
   }
 }
 // C tile c (0-5) += A tile 6 . B tile 7
-TARGET_TILES inline void values_product(int c) {
+TARGET_AMX inline void values_product(int c) {
   switch (c) {
     case 0: _tile_dpbf16ps(0, 6, 7); break;
     case 1: _tile_dpbf16ps(1, 6, 7); break;
@@ -544,19 +548,12 @@ TARGET_TILES inline void values_product(int c) {
   }
 }
 
-TARGET_TILES void tile_configure(const uint8_t* rows, const uint16_t* colsb) {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
-  asm volatile("" : : "r"(&c) : "memory");  // GCC does not see ldtilecfg read c: keep the stores above
-  _tile_loadconfig(&c);
-}
-
 // Scores of R query rows (bf16, row stride qs, zero from D to qs, a multiple of 32) against S keys read by the tiles
 // where they lie in the cache (bf16 [S, D], row stride ks; D a multiple of 16): 16 keys are an A tile per 32
 // dimensions (the last of 16 where D is not a multiple of 32), the queries B tiles of 16 (their pairs of
 // dimensions transposed once a call), and scores[r][s] (row stride `stride`) the product's transpose. A score is
 // the key's and query's product alone, wherever either sits. Values (natural row stride vs) are prefetched to L2.
-TARGET_TILES void tile_scores(const uint16_t* q, int64_t qs, int64_t R, const uint16_t* k, int64_t ks, int64_t S,
+TARGET_AMX void tile_scores(const uint16_t* q, int64_t qs, int64_t R, const uint16_t* k, int64_t ks, int64_t S,
                               int64_t D, float* scores, int64_t stride, const uint16_t* v, int64_t vs) {
   int64_t steps = (D + 31) / 32, blocks = (R + 15) / 16;
   bool half = D % 32 != 0;
@@ -611,7 +608,7 @@ TARGET_TILES void tile_scores(const uint16_t* q, int64_t qs, int64_t R, const ui
 // (row stride `stride`) over paired values (row stride vs = D; weighted_values' layout: a B tile is 32 slots x 16
 // dimensions as it lies), split[r] multiples of 32. acc holds 16 rows a block of rows (zero past R), row stride D.
 // Each row's product is its weights' alone: rows with fewer slots add tiles of zero weights, which change no sum.
-TARGET_TILES void tile_values(const float* p, int64_t stride, int64_t R, const int64_t* split, const uint16_t* v,
+TARGET_AMX void tile_values(const float* p, int64_t stride, int64_t R, const int64_t* split, const uint16_t* v,
                               int64_t vs, int64_t D, float* acc) {
   int64_t blocks = (R + 15) / 16, chunks = D / 16, top = *std::max_element(split, split + R);
   thread_local std::vector<uint16_t> wb;  // [16 blocks][top] bf16 weights, zero from split[r]
