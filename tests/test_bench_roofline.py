@@ -48,6 +48,29 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
     assert s["bandwidth_fraction"] == pytest.approx(s["bandwidth_limit_ms"] / one)
     assert {"t9_vs_t1", "t17_vs_t1", "vs_transformers_batch1", "product_share_one_token", "paired_t17_vs_t1",
             "paired_one_token_vs_limit"} <= set(s)
+    from tlt.model import cpu_kernels
+
+    kernels = cpu_kernels.kernels() if dtype == "bfloat16" else None
+    if kernels is not None and kernels.amx():  # the tile ceiling sits above the products that run on tiles
+        assert record["amx_tile_peak_gflop_s"] > record["tlt_kernel_256_rows_gflop_s"] > 0
+        assert record["tlt_kernel_256_rows_vs_tile_peak"] == pytest.approx(
+            record["tlt_kernel_256_rows_gflop_s"] / record["amx_tile_peak_gflop_s"])
+    else:
+        assert "amx_tile_peak_gflop_s" not in record
+
+
+def test_tile_peak_counts_the_operations_it_runs():
+    from tlt.model import cpu_kernels
+
+    kernels = cpu_kernels.kernels()
+    if kernels is None or not kernels.amx():
+        pytest.skip("needs tlt's bf16 kernels on a CPU with AMX")
+    threads = torch.get_num_threads()
+    # four 16 x 16 x 32 tile products an iteration, on every thread
+    assert kernels.tile_peak(10) == 2 * 16 * 16 * 32 * 4 * 10 * threads
+    assert roofline.tile_peak_gflop_s(kernels, iterations=1 << 16) > 0
+    with pytest.raises(RuntimeError, match="iterations"):
+        kernels.tile_peak(0)
 
 
 def test_streamed_bytes_counts_a_tied_head_once(tiny_model):

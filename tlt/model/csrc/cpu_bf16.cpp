@@ -548,6 +548,29 @@ TARGET_AMX inline void values_product(int c) {
   }
 }
 
+// The tile unit's own throughput, the ceiling of every product on tiles: `tasks` x `iterations` x four TDPBF16PS
+// (two A by two B tiles into four C tiles, loaded once, so the loop reads no memory).
+TARGET_AMX void tile_peak_task(int64_t iterations, int64_t tasks) {
+  uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+  tile_configure(rows, colsb);
+  alignas(64) uint16_t small[16 * 32];
+  std::fill(small, small + 16 * 32, static_cast<uint16_t>(0x3c00));  // bf16 1/128: the sums stay small
+  for (int t = 4; t < 8; ++t) tile_load(t, small, 64);
+  alignas(64) float sink[16 * 16];
+  for (int64_t t = 0; t < tasks; ++t) {
+    for (int c = 0; c < 4; ++c) tile_clear(c);
+    for (int64_t i = 0; i < iterations; ++i) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, sink, 64);
+  }
+  _tile_release();
+}
+
 // Scores of R query rows (bf16, row stride qs, zero from D to qs, a multiple of 32) against S keys read by the tiles
 // where they lie in the cache (bf16 [S, D], row stride ks; D a multiple of 16): 16 keys are an A tile per 32
 // dimensions (the last of 16 where D is not a multiple of 32), the queries B tiles of 16 (their pairs of
@@ -770,6 +793,15 @@ constexpr Attend<KV> ATTEND[9] = {nullptr,
 
 bool amx() { return amx_on && amx_granted(); }
 void set_amx(bool on) { amx_on = on; }
+
+// Floating-point operations of tile_peak_task run once on every thread of the pool (AMX only); the caller times it.
+double tile_peak(int64_t iterations) {
+  TORCH_CHECK(amx(), "tile_peak: this CPU or process does not run AMX tiles");
+  TORCH_CHECK(iterations >= 1, "tile_peak: iterations must be >= 1");
+  int64_t tasks = at::get_num_threads();
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) { tile_peak_task(iterations, t1 - t0); });
+  return 2.0 * 16 * 16 * 32 * 4 * static_cast<double>(iterations) * static_cast<double>(tasks);  // 2 a multiply-add
+}
 
 bool supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -1261,6 +1293,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported);
   m.def("amx", &amx);
   m.def("set_amx", &set_amx);
+  m.def("tile_peak", &tile_peak);
   m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("residual"),
         py::arg("scales") = py::none());
   m.def("rms_norm", &rms_norm);
