@@ -158,6 +158,70 @@ def test_catch_up_window_is_validated(window):
         tlt.EngineConfig(catch_up_window=window)
 
 
+@pytest.mark.parametrize("window", [0, -1, 1.5, False, "8"])
+def test_drafter_window_is_validated(window):
+    with pytest.raises(tlt.ConfigError, match="drafter_window"):
+        tlt.EngineConfig(drafter_window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_state_trim_keeps_the_newest_pairs_of_rows_past_twice_the_window(dtype):
+    from tlt.model.kv_cache import KVCache
+    from tlt.speculative.decoder import DraftState
+
+    cache = KVCache(1, 3, 2, 16, dtype=dtype)  # bf16 on the CPU: paired values, moved by the kernel where built
+    k = torch.randn(3, 2, 11, 16).to(dtype)
+    v = torch.randn(3, 2, 11, 16).to(dtype)
+    cache.write(0, k, v)
+    cache.advance(torch.tensor([11, 8, 9]))  # rows of 11, 8 and 9 pairs
+    state = DraftState(cache, torch.zeros(3, 0, 16), torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+                       torch.zeros(3, dtype=torch.long))
+    state.trim(4)
+    assert cache.lengths.tolist() == [4, 8, 4]  # past 2 x 4: the newest 4 kept; exactly 8: left as it is
+    keys, values = cache.keys[0], _values(cache)
+    for row, (length, kept) in enumerate(((11, 4), (8, 8), (9, 4))):
+        assert torch.equal(keys[row, :, :kept], k[row, :, length - kept : length])
+        assert torch.equal(values[row, :, :kept], v[row, :, length - kept : length])
+    state.trim(4)  # nothing past twice the window now
+    assert cache.lengths.tolist() == [4, 8, 4]
+
+
+def _values(cache):
+    """Layer 0's cached values in the usual [B, H_kv, C, D] layout, whatever the cache's."""
+    from tlt.model import kv_cache
+
+    values = cache.values[0]
+    return kv_cache.natural(values) if cache.paired else values
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_drafter_window_stays_lossless_and_bounds_the_drafters_cache(temperature, monkeypatch):
+    """Tree drafting whose drafter attends to each row's newest 4 to 8 pairs only: the output is still
+    plain decoding's token for token (greedy, and sampled with target-only verification), and the
+    drafter's cache really was cut back (it holds at most twice the window after every trim)."""
+    from tlt.speculative.decoder import DraftState
+
+    trimmed = []  # per trim: the rows' drafter cache lengths before and after
+    trim = DraftState.trim
+
+    def spy(self, window):
+        before = self.cache.lengths.tolist()
+        trim(self, window)
+        trimmed.append((before, self.cache.lengths.tolist()))
+
+    monkeypatch.setattr(DraftState, "trim", spy)
+    target = random_target(seed=15)
+    drafter = drafters_for(target)["random"]
+    prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
+    params = tlt.SamplingParams(n=2, temperature=temperature, max_tokens=40, seed=9, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    engine = tlt.RolloutEngine(target, config=tlt.EngineConfig(
+        speculative="on", strategy="tree-d3-k2-v6", drafter=drafter, drafter_window=4))
+    assert tokens_of(engine.generate(prompts, params)) == tokens_of(plain)
+    assert any(max(before) > 8 for before, _ in trimmed)  # rows grew past twice the window ...
+    assert all(max(after) <= 8 for _, after in trimmed)  # ... and were cut back
+
+
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
 def test_default_arms_draw_plain_decodings_very_samples(warp):
     """Every default arm verifies target-only, so the adaptive engine returns what plain decoding

@@ -152,3 +152,31 @@ def test_fixed_strategies_are_checked_before_anything_runs():
         fixed_strategies("tree-d4-k2-v8,tree-x")
     with pytest.raises(ConfigError, match=r"--strategies 'off'.*tlt_off"):
         fixed_strategies("off")
+
+
+def test_drafter_windows_are_checked_before_anything_runs():
+    from tlt.bench.rollout import drafter_windows
+    from tlt.errors import ConfigError
+
+    assert drafter_windows("") == [None]  # EngineConfig's default: the whole context
+    assert drafter_windows("0, 128,256") == [None, 128, 256]
+    for bad, why in (("128,x", "'x' is not an integer"), ("-4", "'-4' is not an integer"), ("0,0", "listed twice")):
+        with pytest.raises(ConfigError, match=f"--drafter-windows '{bad}'.*{why}"):
+            drafter_windows(bad)
+
+
+def test_several_drafter_windows_run_each_drafter_strategy_once_per_window(tmp_path):
+    """Drafter strategies get one system per window (STRATEGY:wW, 0 the whole context), model-free ones
+    one; the windows change drafts, never samples."""
+    from tlt.cli import main
+
+    save_tiny_model_and_drafter(tmp_path)
+    out = tmp_path / "rollout.json"
+    code = main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", "2", "--samples", "2", "--max-tokens", "24", "--repeats", "1", "--skip-hf",
+                 "--strategies", "tree-d2-k2-v3,ngram-d2", "--drafter-windows", "0,4",
+                 "--json", str(out), "--plot", str(tmp_path / "live.png")])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert set(record["rows"]) == {"tlt_off", "tlt_tree-d2-k2-v3:w0", "tlt_tree-d2-k2-v3:w4", "tlt_ngram-d2"}
+    assert record["ratios"]["same_samples"] is True

@@ -44,7 +44,7 @@ class AdaptiveDecoder:
         """The decoder of speculative="adaptive"; `log` takes the tuner's reports."""
         drafter = drafter_for(config, model)
         tuner = Tuner(config.tuner or TunerConfig(), log=log)
-        spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window)
+        spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window, config.drafter_window)
         return cls(spec, tuner, config.max_draft_tokens)
 
     def allowed(self, strategy: Strategy, batch_size: int) -> bool:

@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
     parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
+    parser.add_argument("--drafter-windows", default="", metavar="W,...",
+                        help="drafter attention windows (0: the whole context; EngineConfig.drafter_window): with one, "
+                             "every system drafts with it; with several, each drafter strategy runs once per window "
+                             "as STRATEGY:wW, side by side, and the adaptive engines take the first")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="the weights' dtype for every system, tlt's and transformers' alike")
     parser.add_argument("--baseline-dtype", choices=DTYPE_NAMES, default=None,
@@ -146,6 +150,21 @@ def fixed_strategies(text: str) -> list[str]:
         except ConfigError as exc:
             raise ConfigError(f"--strategies {text!r}: {exc}") from None
     return names
+
+
+def drafter_windows(text: str) -> list[int | None]:
+    """The windows of `--drafter-windows` as EngineConfig.drafter_window values (0: None, the whole
+    context); [None] when none is given."""
+    from tlt.errors import ConfigError
+
+    windows = []
+    for item in comma_list(text):
+        if not item.isdigit():
+            raise ConfigError(f"--drafter-windows {text!r}: {item!r} is not an integer >= 0")
+        windows.append(int(item) or None)
+    if len(set(windows)) < len(windows):
+        raise ConfigError(f"--drafter-windows {text!r}: a window is listed twice")
+    return windows or [None]
 
 
 def carried_tuner(run_one):
@@ -261,8 +280,10 @@ def run(args: argparse.Namespace) -> int:
     from tlt.tokenizer import load_tokenizer
 
     arm_sets = [adaptive_arms(text) for text in args.adaptive_arms]  # refused before anything loads
+    drafter_windows(args.drafter_windows)
     fill_workload_defaults(args)
     strategies = fixed_strategies(args.strategies)
+    windows = drafter_windows(args.drafter_windows)
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = resolve_model_path(args.model)
@@ -278,13 +299,18 @@ def run(args: argparse.Namespace) -> int:
     # Fixed systems take (repeat, args, prompts): their warm-up is a short rollout of one prompt.
     systems = {"tlt_off": lambda r, a=args, p=prompts: run_tlt(model, p, a, r)}
     drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive or arm_sets else None
+    from tlt.speculative.strategy import Strategy
+
     for name in strategies:
-        config = EngineConfig(speculative="on", strategy=name, drafter=drafter)
-        systems[f"tlt_{name}"] = lambda r, a=args, p=prompts, config=config: run_tlt(model, p, a, r, config)
+        variants = windows if len(windows) > 1 and Strategy.parse(name).uses_drafter else windows[:1]
+        for window in variants:
+            config = EngineConfig(speculative="on", strategy=name, drafter=drafter, drafter_window=window)
+            label = f"tlt_{name}:w{window or 0}" if len(variants) > 1 else f"tlt_{name}"
+            systems[label] = lambda r, a=args, p=prompts, config=config: run_tlt(model, p, a, r, config)
     adaptive = dict(([(ADAPTIVE, TunerConfig())] if args.adaptive else []) +
                     [(f"{ADAPTIVE}:{'+'.join(arms)}", TunerConfig(arms=arms)) for arms in arm_sets])  # name -> tuner
     for name, tuner in adaptive.items():
-        config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner)
+        config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner, drafter_window=windows[0])
         systems[name] = carried_tuner(lambda r, state, config=config: run_tlt(model, prompts, args, r, config, state))
     baseline = baseline_name(args.baseline_dtype, args.dtype)
     if baseline is not None:

@@ -21,7 +21,9 @@ class EngineConfig:
     strategies). `strategy` is read only with "on" and `tuner` only with "adaptive". A request for more
     samples than max_batch_size runs in parts (scheduler.py). catch_up_window: a drafting
     step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
-    the newest (None: all); see SpeculativeDecoder. drafter_bits: 4 drafts on the drafter's weights
+    the newest (None: all); see SpeculativeDecoder. drafter_window: the drafter's attention keeps each
+    row's newest `drafter_window` pairs once it holds twice that many (None: the whole context; see
+    SpeculativeDecoder: drafts only, the samples are unchanged). drafter_bits: 4 drafts on the drafter's weights
     rounded to 4 bits where tlt's bf16 CPU kernels run it (a quarter of the bytes; the samples are
     unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits;
     a Drafter object given here is set to that width, so engines sharing one share its width)."""
@@ -37,6 +39,7 @@ class EngineConfig:
     tuner: object | None = None
     max_draft_tokens: int = 8192
     catch_up_window: int | None = 16
+    drafter_window: int | None = None
     drafter_bits: int = 16
 
     def __post_init__(self) -> None:
@@ -62,7 +65,7 @@ class EngineConfig:
                                   "'default'), or a model-free strategy such as ngram-d4")
         if not integral(self.drafter_bits) or self.drafter_bits not in (4, 16):
             raise ConfigError(f"EngineConfig field 'drafter_bits' must be 4 or 16, got {self.drafter_bits!r}")
-        window = self.catch_up_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ConfigError(f"EngineConfig field 'catch_up_window' must be an int >= 1 or None, "
-                              f"got {self.catch_up_window!r}")
+        for name in ("catch_up_window", "drafter_window"):
+            window = getattr(self, name)
+            if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+                raise ConfigError(f"EngineConfig field {name!r} must be an int >= 1 or None, got {window!r}")

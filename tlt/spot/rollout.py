@@ -411,7 +411,8 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
     workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
     engine = EngineConfig(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
                           strategy=c.strategy, tuner=c.tuner if c.speculative == "adaptive" else None,
-                          catch_up_window=c.drafter.catch_up_window or None, drafter=drafter,
+                          catch_up_window=c.drafter.catch_up_window or None,
+                          drafter_window=c.drafter.attention_window or None, drafter=drafter,
                           drafter_bits=c.drafter.bits)
     learning = None
     if drafter is not None and c.drafter.train != "off":
