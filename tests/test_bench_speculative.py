@@ -152,7 +152,7 @@ def test_engine_config_maps_system_names():
         engine_config("off", catch_up_window=0)
 
 
-def test_drafter_bits_run_each_drafting_strategy_at_each_width(tiny_folders, monkeypatch):
+def test_drafter_bits_run_each_drafting_strategy_at_each_width_and_the_window_reaches_every_engine(tiny_folders, monkeypatch):
     """drafter_bits=[16, 4]: every drafting strategy runs twice, `S` on the drafter as it is and `S:q4` on
     its 4-bit weights (each with its own drafter), plain decoding and n-gram drafts once; the 4-bit systems
     count among the strategies of the ratios."""
@@ -160,9 +160,12 @@ def test_drafter_bits_run_each_drafting_strategy_at_each_width(tiny_folders, mon
     seen = []
     run_engine = speculative.run_engine
 
-    def engine_spy(model, drafter, batches, strategy, temperature, max_tokens, repeat, bits=16):
+    def engine_spy(model, drafter, batches, strategy, temperature, max_tokens, repeat, bits=16, window=None):
         seen.append((strategy, bits, None if drafter is None else id(drafter)))
-        return run_engine(model, drafter, batches, strategy, temperature, max_tokens, repeat, bits)
+        windows.append(window)
+        return run_engine(model, drafter, batches, strategy, temperature, max_tokens, repeat, bits, window)
+
+    windows = []
 
     monkeypatch.setattr(speculative, "run_engine", engine_spy)
     record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off", "tree-d3-k2-v4", "ngram-d4"],
@@ -180,4 +183,13 @@ def test_drafter_bits_run_each_drafting_strategy_at_each_width(tiny_folders, mon
     assert record["ratios"]["speedup_vs_off"]["tree-d3-k2-v4:q4"]["1"] is not None
     with pytest.raises(ConfigError, match="drafter-bits"):
         speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off"], drafter_bits=[8],
+                            log=lambda s: None)
+    assert set(windows) == {None}  # the whole context unless a window is given
+    windows.clear()
+    record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off", "tree-d3-k2-v4"],
+                                 max_tokens=8, repeats=1, prompts_per_run=2, skip_hf=True, drafter_window=4,
+                                 log=lambda s: None)
+    assert set(windows) == {4} and record["config"]["drafter_window"] == 4
+    with pytest.raises(ConfigError, match="drafter-window"):
+        speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off"], drafter_window=-2,
                             log=lambda s: None)

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run plain decoding with weights in this dtype (`off_<dtype>`, at every batch size)")
     parser.add_argument("--drafter-bits", type=_positive_ints, default=[16], metavar="BITS,...",
                         help="drafter weights: 16 (as they are), 4 (rounded, the system STRATEGY:q4), or both")
+    parser.add_argument("--drafter-window", type=int, default=0, metavar="W",
+                        help="the drafter's attention keeps each row's newest W pairs (EngineConfig.drafter_window; "
+                             "0: the whole context)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 
@@ -84,10 +87,11 @@ def covered(b: int, total: int) -> int:
 
 
 def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, temperature: float, max_tokens: int,
-               repeat: int, drafter_bits: int = 16) -> dict:
+               repeat: int, drafter_bits: int = 16, drafter_window: int | None = None) -> dict:
     from tlt.rollout import RolloutEngine, SamplingParams
 
-    engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False, drafter_bits=drafter_bits))
+    engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False, drafter_bits=drafter_bits,
+                                                       drafter_window=drafter_window))
     wall = tokens = 0
     for k, prompts in enumerate(batches):
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=(repeat + 1) * 1000 + k * len(prompts) + i)
@@ -160,6 +164,7 @@ def measure(
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
     drafter_bits: list[int] = (16,),
+    drafter_window: int | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns the JSON record: `config`, `rows`, `ratios`."""
     import shlex
@@ -185,6 +190,9 @@ def measure(
     model, tokenizer = load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
     if not drafter_bits or any(b not in (4, 16) for b in drafter_bits) or len(set(drafter_bits)) < len(drafter_bits):
         raise ConfigError(f"--drafter-bits must list 16 and/or 4 once each, got {list(drafter_bits)}")
+    if drafter_window is not None and (isinstance(drafter_window, bool) or not isinstance(drafter_window, int)
+                                       or drafter_window < 1):
+        raise ConfigError(f"--drafter-window must be an integer >= 0 (0: the whole context), got {drafter_window!r}")
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
     # one drafter per width, so no run rebuilds the other's prepared weights inside its timing
     drafters = {bits: Drafter.load(drafter_path, model) for bits in drafter_bits} if needs_drafter else {}
@@ -193,7 +201,8 @@ def measure(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def engine_system(strategy: str, target=model, bits: int = 16):
-        return lambda batch, n, r: run_engine(target, drafters.get(bits), batch, strategy, temperature, n, r, bits)
+        return lambda batch, n, r: run_engine(target, drafters.get(bits), batch, strategy, temperature, n, r, bits,
+                                              drafter_window)
 
     systems = {}
     for s in strategies:  # strategies without the learned drafter run once, under their own name
@@ -254,6 +263,7 @@ def measure(
         "batch_sizes": list(batch_sizes), "strategies": strategies, "temperature": temperature,
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
         "drafter_bits": list(drafter_bits),
+        "drafter_window": drafter_window,
         "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "baseline_dtype": baseline_dtype,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
@@ -349,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     fill_workload_defaults(args)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
                      args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype, args.baseline_dtype,
-                     args.task, drafter_bits=args.drafter_bits)
+                     args.task, drafter_bits=args.drafter_bits, drafter_window=args.drafter_window or None)
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size; paired: the median over repeats of "
