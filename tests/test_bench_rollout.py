@@ -179,4 +179,5 @@ def test_several_drafter_windows_run_each_drafter_strategy_once_per_window(tmp_p
     assert code == 0
     record = json.loads(out.read_text())
     assert set(record["rows"]) == {"tlt_off", "tlt_tree-d2-k2-v3:w0", "tlt_tree-d2-k2-v3:w4", "tlt_ngram-d2"}
+    assert record["config"]["drafter_windows"] == "0,4" and record["config"]["command_line"]  # how it was run
     assert record["ratios"]["same_samples"] is True

@@ -38,6 +38,7 @@ bucket, within each repeat (median over repeats). It needs the systems to draw t
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -398,7 +399,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {png}")
     if args.json:
         atomic_write_json(Path(args.json), {
-            "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "config": {**{k: v for k, v in vars(args).items() if not k.startswith("_")},
+                       "command_line": shlex.join(sys.argv)},
             "threads": torch.get_num_threads(), "device": str(device), "rows": rows, "ratios": ratios,
         })
     return 0
