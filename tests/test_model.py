@@ -288,6 +288,28 @@ def test_compaction_moves_paired_values_with_their_slots(bases, kernel, monkeypa
             assert torch.equal(logical_store(c)[:, b, :, :n].float(), logical_store(caches[0])[:, b, :, :n])
 
 
+@pytest.mark.parametrize("dtype,paired,kernel", [(torch.float32, False, False), (torch.bfloat16, True, False),
+                                                 (torch.bfloat16, True, True)])
+def test_compaction_moves_only_the_kept_slots_of_each_row(dtype, paired, kernel, monkeypatch):
+    """Offsets past a row's count are not read: a row that keeps nothing (count 0, its cache left as it
+    is) may carry offsets that point past the cache, as `DraftState.trim` gives the rows it leaves alone;
+    the indexing path moves what the kernel moves."""
+    if not kernel:
+        monkeypatch.setattr(KVCache, "_kernels", lambda self: None)
+    L, B, H, D = 1, 2, 2, 4
+    cache = KVCache(L, B, H, D, dtype=dtype, block=8, paired=paired)
+    cache.reserve(16)
+    cache.lengths = torch.tensor([14, 15])
+    cache.store.normal_(generator=torch.Generator().manual_seed(5))
+    before = logical_store(cache).clone()
+    keep = torch.tensor([[10, 11, 12, 13], [11, 12, 13, 14]])  # row 1: base 15 + 11.. is past the 16 slots
+    cache.compact(torch.tensor([0, 15]), keep, torch.tensor([4, 0]))
+    assert cache.lengths.tolist() == [4, 15]
+    after = logical_store(cache)
+    assert torch.equal(after[:, 0, :, :4], before[:, 0, :, 10:14])  # row 0: its newest four, moved to the front
+    assert torch.equal(after[:, 1], before[:, 1])  # row 1: untouched
+
+
 @pytest.mark.parametrize("paired", [False, True])
 def test_rows_dropped_in_place_keep_the_same_slots_and_free_their_memory_at_the_next_growth(paired):
     """`select_rows` keeping most rows in order moves the rows behind a dropped one down in place: every

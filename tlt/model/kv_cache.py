@@ -255,9 +255,12 @@ class KVCache:
             index = keep[None, :, None, :, None].expand(s.shape[0], B, s.shape[2], K, s.shape[4])
             s[..., lo : lo + K, :] = new.gather(3, index)
         else:
-            src = base[:, None] + keep  # [B, K]
-            dst = base[:, None] + torch.arange(K, device=self.device)  # [B, K]
-            rows = torch.arange(B, device=self.device)[:, None].expand_as(src)
+            # Only the kept slots j < counts[b] move (as the kernel does): keep past a row's count may
+            # be padding, or point outside the cache for a row that keeps nothing (counts 0).
+            kept = torch.arange(K, device=self.device) < counts[:, None]  # [B, K]
+            src = (base[:, None] + keep)[kept]  # [N] over the kept (row, j)
+            dst = (base[:, None] + torch.arange(K, device=self.device))[kept]
+            rows = torch.arange(B, device=self.device)[:, None].expand(B, K)[kept]
             if self.paired:  # keys by slot, values by (pair, half)
                 keys, values = s[: self.num_layers], pairs(s[self.num_layers :])
                 keys[:, rows, :, dst] = keys[:, rows, :, src]
