@@ -68,7 +68,6 @@ def test_tile_peak_counts_the_operations_it_runs():
     threads = torch.get_num_threads()
     # four 16 x 16 x 32 tile products an iteration, on every thread
     assert kernels.tile_peak(10) == 2 * 16 * 16 * 32 * 4 * 10 * threads
-    assert roofline.tile_peak_gflop_s(kernels, iterations=1 << 16) > 0
     with pytest.raises(RuntimeError, match="iterations"):
         kernels.tile_peak(0)
 

@@ -281,10 +281,9 @@ def run(args: argparse.Namespace) -> int:
     from tlt.tokenizer import load_tokenizer
 
     arm_sets = [adaptive_arms(text) for text in args.adaptive_arms]  # refused before anything loads
-    drafter_windows(args.drafter_windows)
+    windows = drafter_windows(args.drafter_windows)
     fill_workload_defaults(args)
     strategies = fixed_strategies(args.strategies)
-    windows = drafter_windows(args.drafter_windows)
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = resolve_model_path(args.model)
@@ -294,14 +293,12 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(folder, dtype=args.dtype, device=device), load_tokenizer(folder)
     from tlt.adaptive.tuner import Tuner, TunerConfig
     from tlt.rollout import EngineConfig
-    from tlt.speculative import Drafter
+    from tlt.speculative import Drafter, Strategy
 
     prompts = workload(args, tokenizer)
     # Fixed systems take (repeat, args, prompts): their warm-up is a short rollout of one prompt.
     systems = {"tlt_off": lambda r, a=args, p=prompts: run_tlt(model, p, a, r)}
     drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive or arm_sets else None
-    from tlt.speculative.strategy import Strategy
-
     for name in strategies:
         variants = windows if len(windows) > 1 and Strategy.parse(name).uses_drafter else windows[:1]
         for window in variants:

@@ -119,13 +119,8 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
 def tile_peak_gflop_s(kernels, iterations: int = TILE_PEAK_ITERATIONS, repeats: int = 3) -> float:
     """The AMX tile unit's bf16 throughput on every thread, from registers (no memory read): the compute ceiling
     of any product on tiles, against which the products above stand."""
-    flops = []
-
-    def run():
-        flops.append(kernels.tile_peak(iterations))
-
-    seconds = _median_seconds(run, repeats)
-    return flops[-1] / seconds / 1e9
+    flops = kernels.tile_peak(iterations)  # the same count every run
+    return flops / _median_seconds(lambda: kernels.tile_peak(iterations), repeats) / 1e9
 
 
 def random_large(dtype, seed: int = 0):

@@ -22,9 +22,10 @@ the target features it reads carry the whole context), which costs hardly any ac
 window of 16. `drafter_window` bounds what the drafter's attention reads likewise: once a row's drafter
 cache holds twice the window, it keeps the newest `drafter_window` pairs (`DraftState.trim`, positions
 unchanged). At large batch and long contexts the drafter's single layer reads as much cache per call as a
-target layer does, several calls a step; on the bench policy a window of 128 also accepted slightly more
-(3.83 against 3.75 tokens a step over the 16 x 8 rollout), its drafter trained on shorter sequences than
-the rollout reaches. Verification does not depend on the drafter, so neither window changes the output.
+target layer does, several calls a step. tlt trains drafters within a window of each record (512 pairs
+for `tlt train-drafter`, 256 online), so a window near it also keeps the drafter's attention where it was
+trained: on the bench policy's 16 x 8 rollout a window of 128 accepted 3.75 tokens a step against 3.63
+(docs/results/bench_rollout_amx_drafter_window.json). Verification does not depend on the drafter, so neither window changes the output.
 Strategy "off" is plain decoding that still feeds `pending`, the arm the adaptive tuner can pick.
 
 The decoder implements rollout.decoding.Decoder. Its per-row state lives where the engine carries it
@@ -119,10 +120,10 @@ class DraftState:
         """Rows whose drafter cache holds more than 2 x `window` pairs keep their newest `window` (their
         keys carry their positions, so nothing else changes); the others are left as they are. Trimming at
         twice the window moves each pair about once per `window` steps."""
+        if self.cache.max_length <= 2 * window:  # a host int: no tensor op on the steps that trim nothing
+            return
         lengths = self.cache.lengths
         over = lengths > 2 * window
-        if not bool(over.any()):
-            return
         keep = (lengths - window).clamp(min=0)[:, None] + torch.arange(window, device=lengths.device)  # [B, W]
         self.cache.compact(torch.where(over, 0, lengths), keep, torch.where(over, window, 0))
 
