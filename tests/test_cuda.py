@@ -1,4 +1,5 @@
-"""The same promises on a CUDA device: greedy speculation equals plain decoding, returned log-probs equal
+"""The same promises on a CUDA device: greedy speculation (learned, n-gram and history drafts) equals plain
+decoding, a drafter attention window keeps the samples, returned log-probs equal
 a full forward, tree verification reproduces plain sampling, and a GRPO step (with in-process drafter
 training) runs with every model on the GPU. Skipped where torch sees no CUDA device; run on a GPU
 machine with scripts/gpu_check.sh."""
@@ -12,7 +13,7 @@ from tlt.speculative import Drafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-STRATEGIES = ["chain-d4", "tree-d4-k4-v16", "ngram-d4"]
+STRATEGIES = ["chain-d4", "tree-d4-k4-v16", "ngram-d4", "suffix-d8-v16", "hybrid-d3-k2-v8"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_greedy_speculation_equals_plain_on_cuda(target, strategy):
     assert spec.stats()["acceptance_length"] > 1.0
 
 
-@pytest.mark.parametrize("strategy", ["tree-d4-k4-v16", "ngram-d4"])
+@pytest.mark.parametrize("strategy", ["tree-d4-k4-v16", "ngram-d4", "hybrid-d3-k2-v8"])
 def test_tree_verification_reproduces_plain_sampling_on_cuda(target, strategy):
     drafter = Drafter.load("default", target)
     prompts = prompts_for(4)
@@ -53,6 +54,20 @@ def test_tree_verification_reproduces_plain_sampling_on_cuda(target, strategy):
     plain = tlt.RolloutEngine(target).generate(prompts, params)
     spec = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="on", strategy=strategy, drafter=drafter))
     assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_drafter_window_stays_lossless_on_cuda(target, temperature):
+    """A window of 8 keys trims the drafter's cache (KVCache.compact on the GPU) many times in 96 tokens;
+    the samples stay plain decoding's."""
+    drafter = Drafter.load("default", target)
+    prompts = prompts_for(4)
+    params = tlt.SamplingParams(n=2, temperature=temperature, max_tokens=96, seed=5)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    spec = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="on", strategy="tree-d4-k2-v8",
+                                                            drafter=drafter, drafter_window=8))
+    assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
+    assert spec.stats()["acceptance_length"] > 1.0
 
 
 def test_logprobs_equal_a_full_forward_on_cuda(target):
