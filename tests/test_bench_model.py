@@ -79,6 +79,19 @@ def test_build_runs_policy_then_drafter_and_is_reused_while_the_recipe_matches(c
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 4
 
 
+def test_a_changed_drafter_command_keeps_the_policy_and_a_changed_policy_rebuilds_both(cache, monkeypatch):
+    calls = []
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 2
+    policy, drafter = bench_model.COMMANDS
+    monkeypatch.setattr(bench_model, "COMMANDS", (policy, (drafter[0], [*drafter[1], "steps=301"])))
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
+    assert [a[a.index("tlt.cli") + 1] for a in calls[2:]] == ["train-drafter"] and "steps=301" in calls[-1]
+    assert bench_model.is_current(cache)
+    monkeypatch.setitem(PRESETS, "bench", {**PRESETS["bench"], "steps": 221})
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
+    assert [a[a.index("tlt.cli") + 1] for a in calls[3:]] == ["sft", "train-drafter"]
+
+
 def test_bench_names_make_bench_model_when_missing_or_incomplete(cache):
     with pytest.raises(CheckpointError, match=r"not built: run `make bench-model`"):
         resolve_model_path("bench")
