@@ -158,10 +158,28 @@ def test_catch_up_window_is_validated(window):
         tlt.EngineConfig(catch_up_window=window)
 
 
-@pytest.mark.parametrize("window", [0, -1, 1.5, False, "8"])
+@pytest.mark.parametrize("window", [0, -1, 1.5, False, "8", "Auto"])
 def test_drafter_window_is_validated(window):
     with pytest.raises(tlt.ConfigError, match="drafter_window"):
         tlt.EngineConfig(drafter_window=window)
+
+
+def test_auto_drafter_window_is_half_the_window_the_drafter_was_trained_over():
+    from dataclasses import replace
+
+    from tlt.speculative.decoder import SpeculativeDecoder
+
+    target = random_target(seed=15)
+    drafter = drafters_for(target)["random"]
+    assert tlt.EngineConfig().drafter_window == "auto"
+    unrecorded = SpeculativeDecoder.from_config(target, tlt.EngineConfig(speculative="on", drafter=drafter))
+    assert drafter.config.train_window is None and unrecorded.drafter_window is None  # the whole context
+    drafter.config = replace(drafter.config, train_window=300)
+    for window, expected in (("auto", 150), (None, None), (64, 64)):
+        config = tlt.EngineConfig(speculative="on", drafter=drafter, drafter_window=window)
+        assert SpeculativeDecoder.from_config(target, config).drafter_window == expected
+    adaptive = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", drafter=drafter))
+    assert adaptive.decoder.spec.drafter_window == 150
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -158,9 +158,10 @@ def test_drafter_windows_are_checked_before_anything_runs():
     from tlt.bench.rollout import drafter_windows
     from tlt.errors import ConfigError
 
-    assert drafter_windows("") == [None]  # EngineConfig's default: the whole context
-    assert drafter_windows("0, 128,256") == [None, 128, 256]
-    for bad, why in (("128,x", "'x' is not an integer"), ("-4", "'-4' is not an integer"), ("0,0", "listed twice")):
+    assert drafter_windows("") == ["auto"]  # EngineConfig's default
+    assert drafter_windows("0, 128,256,auto") == [None, 128, 256, "auto"]
+    for bad, why in (("128,x", "'x' is neither auto nor an integer"), ("-4", "'-4' is neither"),
+                     ("0,0", "listed twice"), ("auto,auto", "listed twice")):
         with pytest.raises(ConfigError, match=f"--drafter-windows '{bad}'.*{why}"):
             drafter_windows(bad)
 
@@ -180,4 +181,5 @@ def test_several_drafter_windows_run_each_drafter_strategy_once_per_window(tmp_p
     record = json.loads(out.read_text())
     assert set(record["rows"]) == {"tlt_off", "tlt_tree-d2-k2-v3:w0", "tlt_tree-d2-k2-v3:w4", "tlt_ngram-d2"}
     assert record["config"]["drafter_windows"] == "0,4" and record["config"]["command_line"]  # how it was run
+    assert record["config"]["drafter_windows_applied"] == [None, 4]
     assert record["ratios"]["same_samples"] is True

@@ -217,12 +217,24 @@ def test_trained_drafter_round_trips_through_save_and_load(target, records, tmp_
     drafter, _ = train_drafter(target, records, small_config(steps=5), **QUIET)
     drafter.save(tmp_path)
     loaded = Drafter.load(tmp_path, target)
+    assert loaded.config == drafter.config
     batch = pack(list(fill_rows(iter([record_pairs(r) for r in records]), 64)), 64)
     with torch.no_grad():
         a = drafter(batch.tokens, batch.inputs, batch.positions, attention_mask=batch.mask)
         b = loaded(batch.tokens, batch.inputs, batch.positions, attention_mask=batch.mask)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert acceptance_top1(loaded, records) == acceptance_top1(drafter, records)
+
+
+def test_a_drafter_records_the_longest_window_it_was_trained_over(target, records):
+    longest = max(len(r.tokens) - 1 for r in records)  # the pairs of the longest record
+    assert 8 < longest <= 23
+    drafter, _ = train_drafter(target, records, small_config(steps=1, window=8), **QUIET)
+    assert drafter.config.train_window == 8  # records cut to their last 8 pairs
+    drafter, _ = train_drafter(target, records, small_config(steps=1, window=32), drafter, **QUIET)
+    assert drafter.config.train_window == longest  # no record reached 32 pairs
+    drafter, _ = train_drafter(target, records, small_config(steps=1, window=8), drafter, **QUIET)
+    assert drafter.config.train_window == longest  # a continued drafter keeps the longer
 
 
 def test_config_validates_itself():

@@ -231,12 +231,16 @@ def test_cli_train_rejects_unknown_key_and_resumes(model_dir, tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
 
 
-def test_drafter_bits_and_window_reach_the_engines_drafter(model_dir):
-    trainer = GRPOTrainer(config(model_dir, speculative="adaptive", drafter={"model": "random", "train": "off",
-                                                                              "bits": 4, "attention_window": 64}))
+@pytest.mark.parametrize("train, window, expected", [("off", 64, 64), ("off", 0, None), ("off", None, None),
+                                                      ("every", None, 16)])
+def test_drafter_bits_and_window_reach_the_engines_drafter(model_dir, train, window, expected):
+    """attention_window none: half the drafter's training window, a fresh drafter's none unless it learns
+    online over drafter.window pairs."""
+    trainer = GRPOTrainer(config(model_dir, speculative="adaptive", drafter={
+        "model": "random", "train": train, "bits": 4, "attention_window": window, "window": 32, "batch_tokens": 128}))
     try:
         assert trainer.engine.decoder.spec.drafter.weight_bits == 4
-        assert trainer.engine.decoder.spec.drafter_window == 64
+        assert trainer.engine.decoder.spec.drafter_window == expected
     finally:
         trainer.close()
 
@@ -329,7 +333,7 @@ def test_adaptive_speculation_reproduces_the_plain_run(model_dir):
         trainer.close()
         if speculative == "adaptive":
             assert trainer.engine.decoder.spec.catch_up_window == 16  # the default reaches the engine
-            assert trainer.engine.decoder.spec.drafter_window is None  # 0 by default: the whole context
+            assert trainer.engine.decoder.spec.drafter_window is None  # "auto", a fresh drafter: the whole context
     (off_rows, off_weights, _), (tlt_rows, tlt_weights, arms) = runs["off"], runs["adaptive"]
     assert len(arms - {"off"}) >= 2  # the tlt run really speculated, with several arms
     for a, b in zip(off_rows, tlt_rows):

@@ -53,6 +53,19 @@ def comma_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def parse_drafter_window(item: str, flag: str) -> int | str | None:
+    """One drafter window of a bench flag as EngineConfig.drafter_window takes it: "auto", or an integer
+    >= 0 (0: None, the whole context)."""
+    from tlt.errors import ConfigError
+
+    item = item.strip()
+    if item == "auto":
+        return item
+    if not item.isdigit():
+        raise ConfigError(f"{flag}: {item!r} is neither auto nor an integer >= 0")
+    return int(item) or None
+
+
 def rotation(names: Sequence, repeat: int) -> list:
     """The order in which repeat `repeat` runs the systems `names`: rotated by one each repeat, so no
     system always runs first or last while the machine's speed drifts."""

@@ -44,7 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from tlt.bench import add_workload_arguments, baseline_name, comma_list, fill_workload_defaults, paired, rotation, tokens_per_s
+from tlt.bench import (add_workload_arguments, baseline_name, comma_list, fill_workload_defaults, paired,
+                       parse_drafter_window, rotation, tokens_per_s)
 from tlt.device import synchronize
 from tlt.model.checkpoint import DTYPE_NAMES
 
@@ -78,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
     parser.add_argument("--drafter-windows", default="", metavar="W,...",
-                        help="drafter attention windows (0: the whole context; EngineConfig.drafter_window): with one, "
+                        help="drafter attention windows (auto, the default: half the window the drafter was trained "
+                             "over; 0: the whole context; EngineConfig.drafter_window): with one, "
                              "every system drafts with it; with several, each drafter strategy runs once per window "
                              "as STRATEGY:wW, side by side, and the adaptive engines take the first")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
@@ -153,19 +155,15 @@ def fixed_strategies(text: str) -> list[str]:
     return names
 
 
-def drafter_windows(text: str) -> list[int | None]:
-    """The windows of `--drafter-windows` as EngineConfig.drafter_window values (0: None, the whole
-    context); [None] when none is given."""
+def drafter_windows(text: str) -> list[int | str | None]:
+    """The windows of `--drafter-windows` as EngineConfig.drafter_window values (auto, or 0: None, the
+    whole context); ["auto"] when none is given."""
     from tlt.errors import ConfigError
 
-    windows = []
-    for item in comma_list(text):
-        if not item.isdigit():
-            raise ConfigError(f"--drafter-windows {text!r}: {item!r} is not an integer >= 0")
-        windows.append(int(item) or None)
+    windows = [parse_drafter_window(item, f"--drafter-windows {text!r}") for item in comma_list(text)]
     if len(set(windows)) < len(windows):
         raise ConfigError(f"--drafter-windows {text!r}: a window is listed twice")
-    return windows or [None]
+    return windows or ["auto"]
 
 
 def carried_tuner(run_one):
@@ -294,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     from tlt.adaptive.tuner import Tuner, TunerConfig
     from tlt.rollout import EngineConfig
     from tlt.speculative import Drafter, Strategy
+    from tlt.speculative.decoder import window_for
 
     prompts = workload(args, tokenizer)
     # Fixed systems take (repeat, args, prompts): their warm-up is a short rollout of one prompt.
@@ -397,7 +396,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         atomic_write_json(Path(args.json), {
             "config": {**{k: v for k, v in vars(args).items() if not k.startswith("_")},
-                       "command_line": shlex.join(sys.argv)},
+                       "command_line": shlex.join(sys.argv),
+                       "drafter_windows_applied": [window_for(w, drafter) for w in windows]},
             "threads": torch.get_num_threads(), "device": str(device), "rows": rows, "ratios": ratios,
         })
     return 0

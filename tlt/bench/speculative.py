@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tlt.bench import (add_workload_arguments, baseline_name, comma_list, engine_config, fill_workload_defaults, paired,
-                       rotation)
+                       parse_drafter_window, rotation)
 from tlt.bench.forward import _positive_int, _positive_ints
 from tlt.bench.rollout import summarize
 from tlt.device import synchronize
@@ -69,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run plain decoding with weights in this dtype (`off_<dtype>`, at every batch size)")
     parser.add_argument("--drafter-bits", type=_positive_ints, default=[16], metavar="BITS,...",
                         help="drafter weights: 16 (as they are), 4 (rounded, the system STRATEGY:q4), or both")
-    parser.add_argument("--drafter-window", type=int, default=0, metavar="W",
+    parser.add_argument("--drafter-window", default="auto", metavar="W",
                         help="the drafter's attention keeps each row's newest W pairs (EngineConfig.drafter_window; "
-                             "0: the whole context)")
+                             "0: the whole context; auto, the default: half the window the drafter was trained over)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 
@@ -87,7 +87,7 @@ def covered(b: int, total: int) -> int:
 
 
 def run_engine(model, drafter, batches: list[list[list[int]]], strategy: str, temperature: float, max_tokens: int,
-               repeat: int, drafter_bits: int = 16, drafter_window: int | None = None) -> dict:
+               repeat: int, drafter_bits: int = 16, drafter_window: int | str | None = None) -> dict:
     from tlt.rollout import RolloutEngine, SamplingParams
 
     engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False, drafter_bits=drafter_bits,
@@ -164,7 +164,7 @@ def measure(
     command: list[str] | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
     drafter_bits: list[int] = (16,),
-    drafter_window: int | None = None,
+    drafter_window: int | str | None = "auto",
 ) -> dict[str, Any]:
     """Run the benchmark; returns the JSON record: `config`, `rows`, `ratios`."""
     import shlex
@@ -177,6 +177,7 @@ def measure(
     from tlt.model import load_model
     from tlt.model.checkpoint import resolve_model_path
     from tlt.speculative import Drafter, Strategy
+    from tlt.speculative.decoder import window_for
     from tlt.tasks import get_task
     from tlt.tokenizer import load_tokenizer
 
@@ -190,9 +191,9 @@ def measure(
     model, tokenizer = load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
     if not drafter_bits or any(b not in (4, 16) for b in drafter_bits) or len(set(drafter_bits)) < len(drafter_bits):
         raise ConfigError(f"--drafter-bits must list 16 and/or 4 once each, got {list(drafter_bits)}")
-    if drafter_window is not None and (isinstance(drafter_window, bool) or not isinstance(drafter_window, int)
-                                       or drafter_window < 1):
-        raise ConfigError(f"--drafter-window must be an integer >= 0 (0: the whole context), got {drafter_window!r}")
+    if drafter_window not in (None, "auto") and (isinstance(drafter_window, bool) or not isinstance(drafter_window, int)
+                                                 or drafter_window < 1):
+        raise ConfigError(f"--drafter-window must be auto or an integer >= 0 (0: the whole context), got {drafter_window!r}")
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
     # one drafter per width, so no run rebuilds the other's prepared weights inside its timing
     drafters = {bits: Drafter.load(drafter_path, model) for bits in drafter_bits} if needs_drafter else {}
@@ -264,6 +265,7 @@ def measure(
         "max_tokens": max_tokens, "repeats": repeats, "seed": seed, "prompts_per_run": prompts_per_run, "skip_hf": skip_hf,
         "drafter_bits": list(drafter_bits),
         "drafter_window": drafter_window,
+        "drafter_window_applied": window_for(drafter_window, next(iter(drafters.values()), None)),
         "threads": torch.get_num_threads(), "device": str(device), "dtype": dtype, "baseline_dtype": baseline_dtype,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_assistant": None if skip_hf else ASSISTANT,
@@ -359,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     fill_workload_defaults(args)
     record = measure(args.model, args.drafter, args.batch_sizes, args.strategies, args.temperature, args.max_tokens,
                      args.repeats, args.seed, args.skip_hf, args.prompts, args.device, args.dtype, args.baseline_dtype,
-                     args.task, drafter_bits=args.drafter_bits, drafter_window=args.drafter_window or None)
+                     args.task, drafter_bits=args.drafter_bits, drafter_window=parse_drafter_window(args.drafter_window, "--drafter-window"))
     print(format_table(record["rows"]))
     print("accept: tokens per row per speculative step (hf-assisted: per target forward); "
           "vs off: tokens/s over plain decoding's at the same batch size; paired: the median over repeats of "

@@ -22,8 +22,10 @@ class EngineConfig:
     samples than max_batch_size runs in parts (scheduler.py). catch_up_window: a drafting
     step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
     the newest (None: all); see SpeculativeDecoder. drafter_window: the drafter's attention keeps each
-    row's newest `drafter_window` pairs once it holds twice that many (None: the whole context; see
-    SpeculativeDecoder: drafts only, the samples are unchanged). drafter_bits: 4 drafts on the drafter's weights
+    row's newest `drafter_window` pairs once it holds twice that many ("auto": half the window the
+    drafter was trained over, as its config records it, so it attends over at most that many; None, or
+    "auto" for a drafter that records none: the whole context; see SpeculativeDecoder: drafts only, the
+    samples are unchanged). drafter_bits: 4 drafts on the drafter's weights
     rounded to 4 bits where tlt's bf16 CPU kernels run it (a quarter of the bytes; the samples are
     unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits;
     a Drafter object given here is set to that width, so engines sharing one share its width)."""
@@ -39,7 +41,7 @@ class EngineConfig:
     tuner: object | None = None
     max_draft_tokens: int = 8192
     catch_up_window: int | None = 16
-    drafter_window: int | None = None
+    drafter_window: int | str | None = "auto"
     drafter_bits: int = 16
 
     def __post_init__(self) -> None:
@@ -67,5 +69,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig field 'drafter_bits' must be 4 or 16, got {self.drafter_bits!r}")
         for name in ("catch_up_window", "drafter_window"):
             window = getattr(self, name)
+            if name == "drafter_window" and window == "auto":
+                continue
             if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-                raise ConfigError(f"EngineConfig field {name!r} must be an int >= 1 or None, got {window!r}")
+                auto = ", 'auto'" if name == "drafter_window" else ""
+                raise ConfigError(f"EngineConfig field {name!r} must be an int >= 1{auto} or None, got {window!r}")

@@ -23,9 +23,11 @@ window of 16. `drafter_window` bounds what the drafter's attention reads likewis
 cache holds twice the window, it keeps the newest `drafter_window` pairs (`DraftState.trim`, positions
 unchanged). At large batch and long contexts the drafter's single layer reads as much cache per call as a
 target layer does, several calls a step. tlt trains drafters within a window of each record (512 pairs
-for `tlt train-drafter`, 256 online), so a window near it also keeps the drafter's attention where it was
-trained: on the bench policy's 16 x 8 rollout a window of 128 accepted 3.75 tokens a step against 3.63
-(docs/results/bench_rollout_amx_drafter_window.json). Verification does not depend on the drafter, so neither window changes the output.
+for `tlt train-drafter`, 256 online; the drafter's config records it as `train_window`), so a window
+within it also keeps the drafter's attention where it was trained: on the bench policy's 16 x 8 rollout
+a window of 128 accepted 3.75 tokens a step against 3.63 with the whole context
+(docs/results/bench_rollout_amx_drafter_window.json). The engine's default, "auto", is half the
+recorded window. Verification does not depend on the drafter, so neither window changes the output.
 Strategy "off" is plain decoding that still feeds `pending`, the arm the adaptive tuner can pick.
 
 The decoder implements rollout.decoding.Decoder. Its per-row state lives where the engine carries it
@@ -169,13 +171,22 @@ def drafter_for(config: EngineConfig, model) -> Drafter | None:
     return drafter
 
 
+def window_for(window: int | str | None, drafter: Drafter | None) -> int | None:
+    """EngineConfig.drafter_window as the decoder applies it: "auto" is half the window the drafter was
+    trained over (it then attends over at most that many pairs), None for a drafter that records none."""
+    if window != "auto":
+        return window
+    trained = drafter.config.train_window if drafter is not None else None
+    return max(1, trained // 2) if trained else None
+
+
 class SpeculativeDecoder:
     tuner = None
 
     def __init__(self, model, drafter=None, strategy: Strategy | None = None,
-                 catch_up_window: int | None = None, drafter_window: int | None = None) -> None:
+                 catch_up_window: int | None = None, drafter_window: int | str | None = None) -> None:
         self.model, self.drafter, self.catch_up_window = model, drafter, catch_up_window
-        self.drafter_window = drafter_window
+        self.drafter_window = window_for(drafter_window, drafter)
         self.strategy = strategy or Strategy()
         if self.strategy.uses_drafter and drafter is None:
             raise ValueError(f"strategy {self.strategy.name} needs a drafter")

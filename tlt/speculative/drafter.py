@@ -50,6 +50,9 @@ class DrafterConfig:
     target_layers: int
     feature_layers: tuple[int, ...] | None = None
     target_name: str | None = None
+    # The most pairs its attention has seen in training (train_drafter's `window`); None: not recorded.
+    # An engine's drafter_window="auto" keeps its drafting attention within it.
+    train_window: int | None = None
 
     @classmethod
     def for_target(cls, target: Transformer, feature_layers=None, target_name=None) -> "DrafterConfig":

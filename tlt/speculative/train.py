@@ -191,6 +191,9 @@ def train_drafter(target, records: list[DraftRecord], config: DrafterTrainConfig
                 f"{(step + 1) * c.batch_tokens / elapsed:,.0f} pairs/s")
             window_metrics = []
     metrics.update(records=len(records), pairs=sum(len(p) for p in pairs))
+    # The longest context its attention has now been trained over (a continued drafter keeps the larger).
+    trained = max(drafter.config.train_window or 0, max(len(p) for p in pairs))
+    drafter.config = dataclasses.replace(drafter.config, train_window=trained)
     return drafter.eval(), metrics
 
 

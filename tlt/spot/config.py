@@ -44,8 +44,9 @@ class SpotConfig:
     hot_swap_every: int = setting(0, "> 0: the spot trainer's drafter goes into tail workers every N optimizer steps")
     catch_up_window: int = setting(16, "pairs per row a drafting step after plain ones feeds the drafter, the newest "
                                    "(0: all; see speculative/decoder.py)")
-    attention_window: int = setting(0, "pairs per row the drafter's attention keeps, the newest, once it holds twice "
-                                    "as many (0: the whole context; see speculative/decoder.py)")
+    attention_window: int | None = setting(None, "pairs per row the drafter's attention keeps, the newest, once it "
+                                           "holds twice as many (none: half the window its config records it was "
+                                           "trained over; 0: the whole context; see speculative/decoder.py)")
     bits: int = setting(16, "weights the engines draft on: 16 (as trained) or 4 (rounded where tlt's bf16 CPU kernels "
                         "run the drafter: a quarter of the bytes; the samples are unchanged)")
 
@@ -54,9 +55,10 @@ class SpotConfig:
         check_numbers(self)
         for name in ("train_every", "min_pairs", "rows", "window", "unroll", "buffer_mb", "buffer_steps"):
             check_int(self, name, 1)
-        for name in ("warmup_steps", "max_steps", "local_steps", "hot_swap_every", "catch_up_window",
-                     "attention_window"):
+        for name in ("warmup_steps", "max_steps", "local_steps", "hot_swap_every", "catch_up_window"):
             check_int(self, name, 0)
+        if self.attention_window is not None:
+            check_int(self, "attention_window", 0)
         check_int(self, "bits", 4)
         check_choice(self, "bits", (4, 16))
         check(self, "train_fraction", 0 < self.train_fraction <= 1, "in (0, 1]")

@@ -409,22 +409,27 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     gpus = torch.cuda.device_count() if device.type == "cuda" and c.ray_address is None else 0
     workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
-    engine = EngineConfig(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
-                          strategy=c.strategy, tuner=c.tuner if c.speculative == "adaptive" else None,
-                          catch_up_window=c.drafter.catch_up_window or None,
-                          drafter_window=c.drafter.attention_window or None, drafter=drafter,
-                          drafter_bits=c.drafter.bits)
     learning = None
+    # drafter.attention_window none: half the window the drafter was trained over ("auto", read from its
+    # config by each engine); a drafter learning online is also trained over drafter.window.
+    window = "auto" if c.drafter.attention_window is None else c.drafter.attention_window or None
     if drafter is not None and c.drafter.train != "off":
         from tlt.config import import_callable
         from tlt.speculative.drafter import Drafter, DrafterConfig
 
         drafter_config = DrafterConfig.for_target(policy) if drafter == "random" else Drafter.load(drafter, policy).config
+        drafter_config = replace(drafter_config, train_window=max(drafter_config.train_window or 0, c.drafter.window))
+        if window == "auto":
+            window = drafter_config.train_window // 2
         evict, sample = (import_callable(spec, f"field 'drafter.{name}'") if spec else None
                          for name, spec in (("buffer_evict", c.drafter.buffer_evict),
                                             ("buffer_sample", c.drafter.buffer_sample)))
         learning = DrafterLearning(c.drafter, drafter_config, Path(run_dir) / "drafter" if run_dir is not None else None,
                                    log, evict=evict, sample=sample, seed=c.seed)
+    engine = EngineConfig(max_batch_size=c.max_batch_size, seed=c.seed, speculative=c.speculative,
+                          strategy=c.strategy, tuner=c.tuner if c.speculative == "adaptive" else None,
+                          catch_up_window=c.drafter.catch_up_window or None, drafter_window=window, drafter=drafter,
+                          drafter_bits=c.drafter.bits)
     if workers == 1:
         model = load_model(c.model, dtype=c.rollout_dtype, device=device)
         if drafter == "random":
