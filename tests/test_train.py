@@ -326,7 +326,7 @@ def test_adaptive_speculation_reproduces_the_plain_run(model_dir):
     for speculative in ("off", "adaptive"):
         trainer = GRPOTrainer(config(model_dir, speculative=speculative, drafter={"model": "random", "train": "off"},
                                      loss={"old_logprobs": "recompute"}, temperature=1.0, max_response_tokens=24,
-                                     tuner={"epsilon": 0.5}))
+                                     tuner={"epsilon": 0.5, "explore": "uniform", "prune_ratio": 0}))
         rows = [trainer.train_step() for _ in range(3)]
         runs[speculative] = (rows, {k: v.clone() for k, v in trainer.policy.state_dict().items()},
                              set(trainer.engine.stats()["strategies"]))
