@@ -41,8 +41,8 @@ STAMP = "bench_recipe.json"
 COMMANDS = (
     ("policy", ["sft", "--preset", "bench", "--out", "{out}"]),
     ("drafter", ["train-drafter", "--model", "{out}", "--out", "{out}/drafter", "--task", "bench",
-                 "--prompts", "64", "--samples", "4", "--max-tokens", "1600", "--eval-prompts", "8",
-                 "steps=300", "batch_tokens=2048", "rows=4", "window=512", "threads=2", "log_every=25"]),
+                 "--prompts", "128", "--samples", "4", "--max-tokens", "1600", "--eval-prompts", "8",
+                 "steps=1500", "batch_tokens=2048", "rows=4", "window=512", "threads=2", "log_every=100"]),
 )
 
 
