@@ -127,7 +127,7 @@ def built_folder(what: str = "model") -> Path:
         why = f"was built from another recipe (hash {s.get('hash')}, current {recipe_hash(recipe())})"
     else:
         return folder
-    raise CheckpointError(f"the bench {what} at {folder} {why}: run `make bench-model` (about 1-1.5 hours on 2 cores; "
+    raise CheckpointError(f"the bench {what} at {folder} {why}: run `make bench-model` (40 minutes to 2 hours on 2 cores; "
                           f"TLT_CACHE sets the cache folder)")
 
 
