@@ -164,7 +164,7 @@ def test_drafter_window_is_validated(window):
         tlt.EngineConfig(drafter_window=window)
 
 
-def test_auto_drafter_window_is_half_the_window_the_drafter_was_trained_over():
+def test_auto_drafter_window_is_a_quarter_of_the_window_the_drafter_was_trained_over():
     from dataclasses import replace
 
     from tlt.speculative.decoder import SpeculativeDecoder
@@ -175,11 +175,11 @@ def test_auto_drafter_window_is_half_the_window_the_drafter_was_trained_over():
     unrecorded = SpeculativeDecoder.from_config(target, tlt.EngineConfig(speculative="on", drafter=drafter))
     assert drafter.config.train_window is None and unrecorded.drafter_window is None  # the whole context
     drafter.config = replace(drafter.config, train_window=300)
-    for window, expected in (("auto", 150), (None, None), (64, 64)):
+    for window, expected in (("auto", 75), (None, None), (64, 64)):
         config = tlt.EngineConfig(speculative="on", drafter=drafter, drafter_window=window)
         assert SpeculativeDecoder.from_config(target, config).drafter_window == expected
     adaptive = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", drafter=drafter))
-    assert adaptive.decoder.spec.drafter_window == 150
+    assert adaptive.decoder.spec.drafter_window == 75
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -189,7 +189,7 @@ def test_drafter_bits_run_each_drafting_strategy_at_each_width_and_the_window_re
     from tlt.speculative import Drafter
 
     trained = Drafter.load(drafter_dir, load_model(model_dir)).config.train_window
-    assert record["config"]["drafter_window_applied"] == (trained // 2 if trained else None)
+    assert record["config"]["drafter_window_applied"] == (trained // 4 if trained else None)
     windows.clear()
     record = speculative.measure(model_dir, drafter_dir, batch_sizes=[1], strategies=["off", "tree-d3-k2-v4"],
                                  max_tokens=8, repeats=1, prompts_per_run=2, skip_hf=True, drafter_window=4,

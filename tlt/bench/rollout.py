@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
     parser.add_argument("--drafter-windows", default="", metavar="W,...",
-                        help="drafter attention windows (auto, the default: half the window the drafter was trained "
+                        help="drafter attention windows (auto, the default: a quarter of the window the drafter was trained "
                              "over; 0: the whole context; EngineConfig.drafter_window): with one, "
                              "every system drafts with it; with several, each drafter strategy runs once per window "
                              "as STRATEGY:wW, side by side, and the adaptive engines take the first")

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter weights: 16 (as they are), 4 (rounded, the system STRATEGY:q4), or both")
     parser.add_argument("--drafter-window", default="auto", metavar="W",
                         help="the drafter's attention keeps each row's newest W pairs (EngineConfig.drafter_window; "
-                             "0: the whole context; auto, the default: half the window the drafter was trained over)")
+                             "0: the whole context; auto, the default: a quarter of the window the drafter was trained over)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write config, rows and ratios here")
 

@@ -22,8 +22,8 @@ class EngineConfig:
     samples than max_batch_size runs in parts (scheduler.py). catch_up_window: a drafting
     step after plain ones feeds the drafter at most this many of the pairs each row queued meanwhile,
     the newest (None: all); see SpeculativeDecoder. drafter_window: the drafter's attention keeps each
-    row's newest `drafter_window` pairs once it holds twice that many ("auto": half the window the
-    drafter was trained over, as its config records it, so it attends over at most that many; None, or
+    row's newest `drafter_window` pairs once it holds twice that many ("auto": a quarter of the window the
+    drafter was trained over, as its config records it, so it attends over at most half of it; None, or
     "auto" for a drafter that records none: the whole context; see SpeculativeDecoder: drafts only, the
     samples are unchanged). drafter_bits: 4 drafts on the drafter's weights
     rounded to 4 bits where tlt's bf16 CPU kernels run it (a quarter of the bytes; the samples are

@@ -45,7 +45,7 @@ class SpotConfig:
     catch_up_window: int = setting(16, "pairs per row a drafting step after plain ones feeds the drafter, the newest "
                                    "(0: all; see speculative/decoder.py)")
     attention_window: int | None = setting(None, "pairs per row the drafter's attention keeps, the newest, once it "
-                                           "holds twice as many (none: half the window its config records it was "
+                                           "holds twice as many (none: a quarter of the window its config records it was "
                                            "trained over; 0: the whole context; see speculative/decoder.py)")
     bits: int = setting(16, "weights the engines draft on: 16 (as trained) or 4 (rounded where tlt's bf16 CPU kernels "
                         "run the drafter: a quarter of the bytes; the samples are unchanged)")

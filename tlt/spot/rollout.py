@@ -410,17 +410,18 @@ def make_rollout(config: "TrainConfig", policy, tokenizer, device, run_dir: Path
     gpus = torch.cuda.device_count() if device.type == "cuda" and c.ray_address is None else 0
     workers, worker_gpus = rollout_layout(c.workers, c.worker_gpus, cores, gpus)
     learning = None
-    # drafter.attention_window none: half the window the drafter was trained over ("auto", read from its
-    # config by each engine); a drafter learning online is also trained over drafter.window.
+    # drafter.attention_window none: "auto", from the window the drafter's config records (read by each
+    # engine); a drafter learning online is also trained over drafter.window.
     window = "auto" if c.drafter.attention_window is None else c.drafter.attention_window or None
     if drafter is not None and c.drafter.train != "off":
         from tlt.config import import_callable
+        from tlt.speculative.decoder import auto_window
         from tlt.speculative.drafter import Drafter, DrafterConfig
 
         drafter_config = DrafterConfig.for_target(policy) if drafter == "random" else Drafter.load(drafter, policy).config
         drafter_config = replace(drafter_config, train_window=max(drafter_config.train_window or 0, c.drafter.window))
         if window == "auto":
-            window = drafter_config.train_window // 2
+            window = auto_window(drafter_config.train_window)
         evict, sample = (import_callable(spec, f"field 'drafter.{name}'") if spec else None
                          for name, spec in (("buffer_evict", c.drafter.buffer_evict),
                                             ("buffer_sample", c.drafter.buffer_sample)))
