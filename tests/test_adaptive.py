@@ -124,6 +124,16 @@ def test_draft_state_take_keeps_each_rows_newest_pairs():
     assert everything[4].tolist() == [3, 7] and everything[2][1].tolist() == list(range(20, 27))
 
 
+def windowed_run(n: int, temperature: float, max_tokens: int):
+    """The random target and drafter of the window tests, their two prompts and sampling parameters, and
+    plain decoding's outputs for them."""
+    target = random_target(seed=15)
+    drafter = drafters_for(target)["random"]
+    prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
+    params = tlt.SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=9, ignore_eos=True)
+    return target, drafter, prompts, params, tlt.RolloutEngine(target).generate(prompts, params)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_catch_up_window_of_one_stays_lossless(temperature, monkeypatch):
     """Drafting after runs of plain steps with the drafter fed only each row's newest pair: the
@@ -139,11 +149,7 @@ def test_a_catch_up_window_of_one_stays_lossless(temperature, monkeypatch):
         return take(self, window)
 
     monkeypatch.setattr(DraftState, "take", spy)
-    target = random_target(seed=15)
-    drafter = drafters_for(target)["random"]
-    prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
-    params = tlt.SamplingParams(n=3, temperature=temperature, max_tokens=60, seed=9, ignore_eos=True)
-    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    target, drafter, prompts, params, plain = windowed_run(3, temperature, 60)
     arms = ("off", "tree-d4-k3-v10", "ngram-d3") + (("chain-d3",) if temperature == 0 else ())
     engine = tlt.RolloutEngine(target, config=tlt.EngineConfig(
         speculative="adaptive", drafter=drafter, catch_up_window=1, max_draft_tokens=10**7,
@@ -228,11 +234,7 @@ def test_a_drafter_window_stays_lossless_and_bounds_the_drafters_cache(temperatu
         trimmed.append((before, self.cache.lengths.tolist()))
 
     monkeypatch.setattr(DraftState, "trim", spy)
-    target = random_target(seed=15)
-    drafter = drafters_for(target)["random"]
-    prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
-    params = tlt.SamplingParams(n=2, temperature=temperature, max_tokens=40, seed=9, ignore_eos=True)
-    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    target, drafter, prompts, params, plain = windowed_run(2, temperature, 40)
     engine = tlt.RolloutEngine(target, config=tlt.EngineConfig(
         speculative="on", strategy="tree-d3-k2-v6", drafter=drafter, drafter_window=4))
     assert tokens_of(engine.generate(prompts, params)) == tokens_of(plain)

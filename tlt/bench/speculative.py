@@ -176,6 +176,7 @@ def measure(
     from tlt.errors import ConfigError
     from tlt.model import load_model
     from tlt.model.checkpoint import resolve_model_path
+    from tlt.rollout import EngineConfig
     from tlt.speculative import Drafter, Strategy
     from tlt.speculative.decoder import window_for
     from tlt.tasks import get_task
@@ -191,9 +192,10 @@ def measure(
     model, tokenizer = load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
     if not drafter_bits or any(b not in (4, 16) for b in drafter_bits) or len(set(drafter_bits)) < len(drafter_bits):
         raise ConfigError(f"--drafter-bits must list 16 and/or 4 once each, got {list(drafter_bits)}")
-    if drafter_window not in (None, "auto") and (isinstance(drafter_window, bool) or not isinstance(drafter_window, int)
-                                                 or drafter_window < 1):
-        raise ConfigError(f"--drafter-window must be auto or an integer >= 0 (0: the whole context), got {drafter_window!r}")
+    try:
+        EngineConfig(drafter_window=drafter_window)  # refused here, before anything runs
+    except ConfigError as exc:
+        raise ConfigError(f"--drafter-window: {exc}") from None
     needs_drafter = any(Strategy.parse(s).uses_drafter for s in strategies)
     # one drafter per width, so no run rebuilds the other's prepared weights inside its timing
     drafters = {bits: Drafter.load(drafter_path, model) for bits in drafter_bits} if needs_drafter else {}

@@ -79,7 +79,7 @@ def _previous_keys() -> dict[str, str]:
     """The flat keys of earlier releases, -> their dotted names."""
     drafter = ("train", "train_every", "train_fraction", "min_pairs", "lr", "warmup_steps", "batch_tokens", "window",
                "unroll", "max_steps", "local_steps", "buffer_mb", "buffer_steps", "buffer_evict", "buffer_sample",
-               "buffer_checkpoint", "hot_swap_every", "attention_window")
+               "buffer_checkpoint", "hot_swap_every")
     loss = ("normalize_std", "clip_low", "clip_high", "aggregation", "kl_coef", "entropy_coef", "filter_groups",
             "skip_zero_advantage", "old_logprobs", "tis_cap")
     optim = ("lr", "lr_schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "mini_batches",

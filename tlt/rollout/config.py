@@ -67,10 +67,7 @@ class EngineConfig:
                                   "'default'), or a model-free strategy such as ngram-d4")
         if not integral(self.drafter_bits) or self.drafter_bits not in (4, 16):
             raise ConfigError(f"EngineConfig field 'drafter_bits' must be 4 or 16, got {self.drafter_bits!r}")
-        for name in ("catch_up_window", "drafter_window"):
+        for name, words in (("catch_up_window", (None,)), ("drafter_window", (None, "auto"))):
             window = getattr(self, name)
-            if name == "drafter_window" and window == "auto":
-                continue
-            if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-                auto = ", 'auto'" if name == "drafter_window" else ""
-                raise ConfigError(f"EngineConfig field {name!r} must be an int >= 1{auto} or None, got {window!r}")
+            if window not in words and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+                raise ConfigError(f"EngineConfig field {name!r} must be an int >= 1 or one of {words}, got {window!r}")
