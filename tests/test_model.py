@@ -355,6 +355,25 @@ def test_rows_dropped_in_place_keep_the_same_slots_and_free_their_memory_at_the_
         assert torch.equal(logical_store(joined[0])[:, b, :, :n], logical_store(joined[1])[:, b, :, :n])
 
 
+def test_cache_grows_geometrically():
+    """A cache written one token at a time reallocates a logarithmic number of times (each growth copies
+    the whole cache), never past a quarter more than it needs plus a block, and keeps what it held."""
+    cache = KVCache(2, 3, 2, 4, block=8)
+    ref = torch.randn(4, 3, 2, 1000, 4)
+    growths, capacity = 0, cache.capacity
+    for t in range(1000):
+        keys, values = (ref[i * 2 : i * 2 + 2, :, :, t : t + 1] for i in range(2))
+        for layer in range(2):
+            cache.write(layer, keys[layer], values[layer])
+        cache.advance(1)
+        if cache.capacity != capacity:
+            growths += 1
+            assert cache.capacity % 8 == 0 and cache.capacity <= max(t + 1, 1.25 * capacity) + 8
+            capacity = cache.capacity
+    assert growths <= 20  # a block at a time: 125
+    assert torch.equal(cache.store[..., :1000, :], ref)
+
+
 def test_cache_memory_follows_live_tokens(tiny_model):
     model = tiny_model()
     cache = model.new_cache(4, block=16)
