@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("drafters", nargs="+", help="drafter folders (or 'default')")
     parser.add_argument("--model", default="default", help="target model folder or built-in name")
+    parser.add_argument("--task", default="arithmetic", help="built-in task (or named configuration, e.g. bench) "
+                        "whose eval prompts are drafted for")
+    parser.add_argument("--dtype", default=None, help="the target's dtype (default: its own)")
     parser.add_argument("--strategies", default="tree-d4-k2-v8,tree-d4-k4-v16", help="target-only strategies")
     parser.add_argument("--prompts", type=int, default=64, help="eval-split problems")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem")
@@ -36,15 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     from tlt.model import load_model
     from tlt.speculative import Drafter
     from tlt.speculative.train import check_target_only, held_out_acceptance
-    from tlt.tasks import ArithmeticTask
+    from tlt.tasks import get_task
     from tlt.tokenizer import load_tokenizer
 
     strategies = comma_list(args.strategies)
     for s in strategies:
         check_target_only(s, "--strategies")
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_model(args.model), load_tokenizer(args.model)
-    prompts = [p.prompt for p in ArithmeticTask().sample(args.prompts, seed=args.seed, split="eval")]
+    target, tokenizer = load_model(args.model, dtype=args.dtype), load_tokenizer(args.model)
+    prompts = [p.prompt for p in get_task(args.task).sample(args.prompts, seed=args.seed, split="eval")]
     rows, drawn = [], {}
     for name in args.drafters:
         drafter = Drafter.load(name, target)

@@ -65,31 +65,40 @@ def test_bench_task_is_the_arithmetic_task_with_longer_chains():
 def test_build_runs_policy_then_drafter_and_is_reused_while_the_recipe_matches(cache, monkeypatch):
     calls = []
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
-    assert [a[a.index("tlt.cli") + 1] for a in calls] == ["sft", "train-drafter"]
+    assert [a[a.index("tlt.cli") + 1] for a in calls] == ["sft", "train-drafter", "train-drafter"]
     assert str(cache) in calls[0] and f"{cache}/drafter" in calls[1]
+    # the last stage fine-tunes the first drafter unrolled, into the folder `bench` names as its drafter
+    assert calls[2][calls[2].index("--from-drafter") + 1] == f"{cache}/drafter" and "unroll=3" in calls[2]
+    assert calls[2][calls[2].index("--out") + 1] == f"{cache}/drafter-unrolled"
     stamp = json.loads((cache / bench_model.STAMP).read_text())
-    assert stamp["hash"] == bench_model.recipe_hash(bench_model.recipe()) and len(stamp["commands"]) == 2
-    assert not bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 2
-    assert resolve_model_path("bench") == cache and drafter_folder("bench") == cache / "drafter"
+    assert stamp["hash"] == bench_model.recipe_hash(bench_model.recipe()) and len(stamp["commands"]) == 3
+    assert not bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 3
+    assert resolve_model_path("bench") == cache and drafter_folder("bench") == cache / "drafter-unrolled"
     # a changed recipe is a rebuild, and until then `bench` names the mismatch
     changed = {**PRESETS["bench"], "steps": 221}
     monkeypatch.setitem(PRESETS, "bench", changed)
     with pytest.raises(CheckpointError, match="another recipe.*make bench-model"):
         resolve_model_path("bench")
-    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 4
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 6
 
 
-def test_a_changed_drafter_command_keeps_the_policy_and_a_changed_policy_rebuilds_both(cache, monkeypatch):
+def test_a_changed_drafter_command_keeps_the_policy_and_a_changed_policy_rebuilds_all(cache, monkeypatch):
     calls = []
-    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 2
-    policy, drafter = bench_model.COMMANDS
-    monkeypatch.setattr(bench_model, "COMMANDS", (policy, (drafter[0], [*drafter[1], "steps=301"])))
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 3
+    policy, drafter, unrolled = bench_model.COMMANDS
+    # the last stage changed: only it runs
+    monkeypatch.setattr(bench_model, "COMMANDS", (policy, drafter, (unrolled[0], [*unrolled[1], "steps=301"])))
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
-    assert [a[a.index("tlt.cli") + 1] for a in calls[2:]] == ["train-drafter"] and "steps=301" in calls[-1]
+    assert len(calls) == 4 and "steps=301" in calls[-1] and "unroll=3" in calls[-1]
+    # the first drafter stage changed: both drafter stages run, the policy is kept
+    monkeypatch.setattr(bench_model, "COMMANDS", (policy, (drafter[0], [*drafter[1], "steps=301"]), unrolled))
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
+    assert [a[a.index("tlt.cli") + 1] for a in calls[4:]] == ["train-drafter", "train-drafter"]
+    assert "steps=301" in calls[4] and "unroll=3" in calls[5]
     assert bench_model.is_current(cache)
     monkeypatch.setitem(PRESETS, "bench", {**PRESETS["bench"], "steps": 221})
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
-    assert [a[a.index("tlt.cli") + 1] for a in calls[3:]] == ["sft", "train-drafter"]
+    assert [a[a.index("tlt.cli") + 1] for a in calls[6:]] == ["sft", "train-drafter", "train-drafter"]
 
 
 def test_bench_names_make_bench_model_when_missing_or_incomplete(cache):
@@ -109,9 +118,10 @@ def test_bench_names_make_bench_model_when_missing_or_incomplete(cache):
     # the next build keeps the finished policy stage and runs the drafter only; --force runs both
     calls = []
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
-    assert [a[a.index("tlt.cli") + 1] for a in calls] == ["train-drafter"]
-    assert [c["name"] for c in json.loads((cache / bench_model.STAMP).read_text())["commands"]] == ["policy", "drafter"]
-    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None, force=True) and len(calls) == 3
+    assert [a[a.index("tlt.cli") + 1] for a in calls] == ["train-drafter", "train-drafter"]
+    assert [c["name"] for c in json.loads((cache / bench_model.STAMP).read_text())["commands"]] == [
+        "policy", "drafter", "unrolled"]
+    assert bench_model.build(run=fake_runner(calls), log=lambda *_: None, force=True) and len(calls) == 5
 
 
 def test_cache_root_follows_tlt_cache_then_xdg(monkeypatch, tmp_path):

@@ -81,11 +81,14 @@ from tlt.speculative.strategy import Strategy
 # sampling's own, so an adaptive rollout returns the very samples plain decoding would (token for token
 # given equal logits), not merely samples of the same distribution: a tlt RL run is the baseline run,
 # faster. Chains with speculative sampling ("chain-d4") keep the distribution but draw other samples;
-# they stay available as arms. The trees cover the batch sizes where drafting pays, widest at batch 1
-# (tree-d4-k4-v16), narrower up to batch 16; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4
-# at less cost; off wins at large batch (`tlt bench speculative --strategies ...` compares shapes).
-# n-gram drafting stays for cold start and for the loops a sampled policy falls into.
-DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d4-k4-v16")
+# they stay available as arms. The trees cover the batch sizes where drafting pays: the deep
+# tree-d8-k2-v12 where a drafter trained on its own features keeps whole chains right (the bench
+# policy's 16 x 8 rollout: acceptance 6.65, best at 1-32 live rows but one bucket, the tuner 1.39x plain
+# decoding against 1.34x with tree-d4-k4-v16 in its place, docs/results/bench_rollout_amx_drafter_unrolled.json),
+# tree-d4-k2-v8 where it does not; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4 at less cost;
+# off wins at large batch (`tlt bench speculative --strategies ...` compares shapes). n-gram drafting stays
+# for cold start and for the loops a sampled policy falls into.
+DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d8-k2-v12")
 
 STATE_VERSION = 2  # version-1 states hold no step times and load with none
 EXPLORE = ("cost", "uniform")
