@@ -74,6 +74,13 @@ def drafter_acceptance(stats: RolloutStats) -> float | None:
     return stats.acceptance_length(drafts_with_learned)
 
 
+def drafter_arms(stats: RolloutStats) -> dict[str, tuple[float, int]]:
+    """Per strategy that used the learned drafter: (tokens per row per step, row-steps), what the
+    training schedule judges the drafter by (tlt/spot/schedule.py)."""
+    rows = stats.rows_by_strategy()
+    return {s: (a, rows[s]) for s, a in stats.acceptance_by_strategy().items() if drafts_with_learned(s)}
+
+
 @functools.cache
 def drafts_with_learned(strategy: str) -> bool:
     """Whether the strategy named `strategy` drafts with the learned drafter; each name is parsed once
@@ -217,7 +224,7 @@ class LocalRollout:
         stats = self.engine.rollout_stats
         if learning is not None:
             learning.add(outputs, weights_version)
-            learning.schedule.observe(drafter_acceptance(stats))
+            learning.schedule.observe(drafter_arms(stats))
             self._due = learning.due(step)
         return outputs, RolloutReport(stats)
 
@@ -331,7 +338,7 @@ class PooledRollout:
         pool = PoolReport(coord.summary(), [len(s) for s in shares], self._drafter_version, merged.drafter_swaps,
                           due if learning is not None else None)
         if learning is not None:
-            learning.schedule.observe(drafter_acceptance(merged.rollout))
+            learning.schedule.observe(drafter_arms(merged.rollout))
         return ordered, RolloutReport(merged.rollout, pool)
 
     def finish_step(self, step: int) -> PhaseReport | None:

@@ -5,11 +5,18 @@ while the drafter is behind or still learning: when no acceptance length has bee
 current level fell below `train_fraction` of the best level seen (the policy moved away from the
 drafter), or when it beat the previous best by more than 2% (the last phase helped, so the drafter has
 not converged: a cold-started drafter keeps training until it plateaus). A converged drafter under a
-slowly moving policy trains only when its acceptance drops. The level is the median of the last 3
-rollouts' acceptance lengths, and the best level fades by 1% per rollout unless renewed: one rollout's
-figure swings with which arms the tuner ran and on which samples, so with single rollouts judged against
-the all-time best (an extreme of that noise, creeping upward) noise alone would make most steps of a
-converged run train. The first phase waits until the buffer holds `min_pairs` pairs.
+slowly moving policy trains only when its acceptance drops.
+
+Levels are kept per arm (strategy that drafts with the learned drafter): an adaptive rollout mixes arms
+whose acceptance lengths differ by 3x (the bench policy: tree-d2-k1-v2 2.2 tokens a step, tree-d8-k2-v12
+6.5), in a mix that follows the live batch sizes of that step's responses, so one figure over all arms
+swings with the mix, not the drafter (a frozen drafter's read 2.8 to 6.2 across 20 GRPO steps, and the
+schedule trained at 8 of them). An arm's level is the median of its last 3 rollouts' acceptance lengths,
+and its best level fades by 1% per rollout that measures it unless renewed: one rollout's figure swings with
+its samples, and the all-time best is an extreme of that noise. A decision weighs each arm of the last
+rollout by its row-steps: the drafter is behind when the weighted level over best falls below
+`train_fraction`, improving when the weighted level over the previous best exceeds 1.02. The first phase
+waits until the buffer holds `min_pairs` pairs.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import statistics
 from tlt.spot.config import SpotConfig
 
 IMPROVEMENT = 0.02  # a new best by more than this fraction means the drafter is still learning
-LEVEL_OF = 3  # rollouts whose median acceptance is the level the schedule judges
-BEST_FADE = 0.99  # the best level, unless renewed, shrinks by this factor per observed rollout
+LEVEL_OF = 3  # rollouts whose median acceptance is an arm's level
+BEST_FADE = 0.99  # an arm's best level, unless renewed, shrinks by this factor per rollout that measures it
+ANY = "*"  # the arm of a bare acceptance length (callers that do not split by arm; saved states of old)
 
 
 class Schedule:
@@ -29,22 +37,43 @@ class Schedule:
 
     def __init__(self, config: SpotConfig) -> None:
         self.config = config
-        self.best: float | None = None  # the best level seen
-        self.recent: list[float] = []  # the last LEVEL_OF measurements
+        self.best: dict[str, float] = {}  # per arm: the best level seen (fading)
+        self.recent: dict[str, list[float]] = {}  # per arm: its last LEVEL_OF measurements
+        self.weights: dict[str, int] = {}  # the last measured rollout's row-steps per arm
         self.improving = True
 
-    @property
-    def last(self) -> float | None:
-        """The current level: the median of the recent measurements (None before any)."""
-        return statistics.median(self.recent) if self.recent else None
+    def level(self, arm: str = ANY) -> float | None:
+        """An arm's level: the median of its recent measurements (None before any)."""
+        recent = self.recent.get(arm)
+        return statistics.median(recent) if recent else None
 
-    def observe(self, acceptance: float | None) -> None:
-        """The acceptance length of the rollout that just ended (None: no drafter step ran)."""
-        if acceptance is not None and math.isfinite(acceptance):
-            self.recent = (self.recent + [float(acceptance)])[-LEVEL_OF:]
-            level = self.last
-            self.improving = self.best is None or level > self.best * (1 + IMPROVEMENT)
-            self.best = level if self.best is None else max(self.best * BEST_FADE, level)
+    @property
+    def behind(self) -> float | None:
+        """The last rollout's arms' levels over their best, weighted by row-steps (None before any)."""
+        if not self.weights:
+            return None
+        total = sum(self.weights.values())
+        return sum(w * self.level(a) / self.best[a] for a, w in self.weights.items()) / total
+
+    def observe(self, acceptance: dict[str, tuple[float, int]] | float | None) -> None:
+        """The rollout that just ended: per arm, (acceptance length, row-steps), or one acceptance length for
+        all (None or an empty dict: no drafter step ran, nothing changes)."""
+        if acceptance is None:
+            return
+        if not isinstance(acceptance, dict):
+            acceptance = {ANY: (acceptance, 1)}
+        measured = {a: (float(x), int(n)) for a, (x, n) in acceptance.items() if math.isfinite(x) and n > 0}
+        if not measured:
+            return
+        gain = weight = 0.0
+        for arm, (x, n) in measured.items():
+            self.recent[arm] = (self.recent.get(arm, []) + [x])[-LEVEL_OF:]
+            level, best = self.level(arm), self.best.get(arm)
+            if best is not None:
+                gain, weight = gain + n * level / best, weight + n
+            self.best[arm] = level if best is None else max(best * BEST_FADE, level)
+        self.improving = weight == 0 or gain / weight > 1 + IMPROVEMENT
+        self.weights = {a: n for a, (_, n) in measured.items()}
 
     def due(self, step: int, buffered_pairs: int) -> bool:
         c = self.config
@@ -54,13 +83,23 @@ class Schedule:
             return True
         if c.train == "every-N":
             return step % c.train_every == 0
-        return self.last is None or self.improving or self.last < c.train_fraction * self.best
+        return not self.weights or self.improving or self.behind < c.train_fraction
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "recent": list(self.recent), "improving": self.improving}
+        return {"best": dict(self.best), "recent": {a: list(r) for a, r in self.recent.items()},
+                "weights": dict(self.weights), "improving": self.improving}
 
     def load_state_dict(self, state: dict) -> None:
-        """A state with a single "last" measurement and no "recent" list starts `recent` with it."""
-        self.best, self.improving = state.get("best"), state.get("improving", True)
-        old = [] if state.get("last") is None else [state["last"]]
-        self.recent = [float(a) for a in state.get("recent", old)]
+        """States saved before levels were kept per arm (one best, a "recent" list or a single "last"
+        measurement) load as the one arm ANY."""
+        self.improving = state.get("improving", True)
+        best, recent = state.get("best"), state.get("recent")
+        if isinstance(best, dict):
+            self.best = {a: float(v) for a, v in best.items()}
+            self.recent = {a: [float(x) for x in r] for a, r in (recent or {}).items()}
+            self.weights = {a: int(n) for a, n in state.get("weights", {}).items()}
+            return
+        old = recent if recent is not None else ([] if state.get("last") is None else [state["last"]])
+        self.best = {} if best is None else {ANY: float(best)}
+        self.recent = {ANY: [float(a) for a in old]} if old else {}
+        self.weights = {ANY: 1} if old and best is not None else {}
