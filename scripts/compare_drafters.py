@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default", help="target model folder or built-in name")
     parser.add_argument("--task", default="arithmetic", help="built-in task (or named configuration, e.g. bench) "
                         "whose eval prompts are drafted for")
-    parser.add_argument("--dtype", default=None, help="the target's dtype (default: its own)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the target's dtype (auto: the one its config.json names, else float32)")
     parser.add_argument("--strategies", default="tree-d4-k2-v8,tree-d4-k4-v16", help="target-only strategies")
     parser.add_argument("--prompts", type=int, default=64, help="eval-split problems")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem")

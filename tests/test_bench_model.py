@@ -115,7 +115,7 @@ def test_bench_names_make_bench_model_when_missing_or_incomplete(cache):
         bench_model.build(run=failing, log=lambda *_: None)
     with pytest.raises(CheckpointError, match="incomplete.*make bench-model"):
         resolve_model_path("bench")
-    # the next build keeps the finished policy stage and runs the drafter only; --force runs both
+    # the next build keeps the finished policy stage and runs the two drafter stages only; --force runs all
     calls = []
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None)
     assert [a[a.index("tlt.cli") + 1] for a in calls] == ["train-drafter", "train-drafter"]

@@ -26,7 +26,7 @@ from tlt.spot.checkpoint import (DrafterCheckpointer, _snapshot, latest_drafter_
 from tlt.spot.schedule import ANY, Schedule
 from tlt.spot.trainer import SpotTrainer
 from tlt.rollout.stats import RolloutStats
-from tlt.spot.rollout import drafter_acceptance
+from tlt.spot.rollout import drafter_acceptance, drafter_arms
 from tlt.spot.shares import LengthPredictor, assign
 from tlt.spot.workers import ShareStats
 
@@ -137,8 +137,28 @@ def test_acceptance_schedule_judges_each_arm_against_its_own_best():
         per_arm.observe({"tree-d2-k1-v2": (1.8, 200), "tree-d8-k2-v12": (5.2, 200)})
     assert per_arm.due(200, 10)  # both arms 20% down
     assert per_arm.behind < 0.9
-    per_arm.observe({})  # no learned arm ran: nothing changes
-    assert per_arm.due(201, 10)
+    before = per_arm.state_dict()
+    for nothing in ({}, None, {"tree-d8-k2-v12": (None, 0)}, {"tree-d8-k2-v12": (0.0, 5)}):
+        per_arm.observe(nothing)  # no learned arm ran, or it measured nothing
+    assert per_arm.state_dict() == before
+
+
+def test_an_arm_that_returns_is_judged_on_what_it_does_now():
+    """An arm's old measurements age out: one that ran well, sat out several rollouts (the tuner took
+    other arms) and returns 40% down reads behind at once, not after three more of its rollouts."""
+    acc = Schedule(small(train="acceptance"))
+    for _ in range(3):
+        acc.observe({"tree-d8-k2-v12": (6.0, 100), "tree-d4-k2-v8": (4.0, 100)})
+    assert not acc.due(0, 10)
+    for _ in range(4):
+        acc.observe({"tree-d4-k2-v8": (4.0, 100)})
+    acc.observe({"tree-d8-k2-v12": (3.6, 100), "tree-d4-k2-v8": (4.0, 10)})
+    assert acc.level("tree-d8-k2-v12") == 3.6 and acc.due(1, 10)
+    restored = Schedule(small(train="acceptance"))
+    restored.load_state_dict(acc.state_dict())
+    assert restored.state_dict() == acc.state_dict() and restored.due(2, 10)
+    with pytest.raises(CheckpointError, match="drafter schedule state.*tree-d2"):
+        restored.load_state_dict({**acc.state_dict(), "weights": {"tree-d2-k1-v2": 5}})
 
 
 def test_schedule_modes():
@@ -164,10 +184,12 @@ def test_schedule_modes():
     restored = Schedule(small(train="acceptance"))
     restored.load_state_dict(acc.state_dict())
     assert restored.due(7, 10) and restored.best == {ANY: 3.5} and restored.recent == acc.recent
-    for old_state in ({"best": 3.5, "last": 3.5, "improving": False},  # saved before levels were medians
-                      {"best": 3.5, "recent": [3.4, 3.5], "improving": False}):  # before they were per arm
+    for old_state, level in (({"best": 3.5, "last": 3.5, "improving": False}, 3.5),  # before levels were medians
+                             ({"best": 3.5, "recent": [3.4, 3.5], "improving": False}, 3.45)):  # before per arm
         restored.load_state_dict(old_state)
-        assert restored.level() in (3.5, 3.45) and not restored.due(8, 10)
+        assert restored.level() == level and not restored.due(8, 10)
+    restored.observe({"tree-d4-k2-v8": (3.5, 10)})  # the first per-arm rollout replaces the one old level
+    assert set(restored.best) == {"tree-d4-k2-v8"} and restored.due(9, 10)  # a first measurement
     assert not Schedule(small(train="off")).due(0, 10**6)
     with pytest.raises(ConfigError, match="field 'train' must be one of"):
         SpotConfig(train="sometimes")
@@ -458,6 +480,8 @@ def test_merge_share_stats_and_drafter_acceptance():
     assert m.rollout.acceptance_by_strategy() == {"chain-d4": 4.0, "ngram-d4": 3.0}
     assert drafter_acceptance(m.rollout) == 4.0  # n-gram steps do not count for the learned drafter
     assert drafter_acceptance(b.rollout) is None
+    # what the schedule judges: the learned arms' acceptance and row-steps, n-gram and off left out
+    assert drafter_arms(m.rollout) == {"chain-d4": (4.0, 1)} and drafter_arms(b.rollout) == {}
 
 
 # --- hot swap --------------------------------------------------------------------------------------

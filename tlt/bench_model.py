@@ -17,7 +17,7 @@ builds them into `cache_folder()`:
                             presence with the current recipe's hash means a complete, current build
 
 A build whose recipe hash matches is reused; otherwise each stage whose own hash changed is rebuilt (a
-changed drafter command keeps the policy; a changed policy rebuilds both). `bench` as a
+changed drafter command keeps the policy; a changed policy rebuilds all). `bench` as a
 model or drafter name (`--model bench`, `model=bench`, `drafter.model=bench`) resolves here, and fails with
 a message naming `make bench-model` while the build is missing, incomplete or from another recipe.
 """
@@ -148,8 +148,8 @@ def drafter_folder() -> Path:
 
 
 def build(folder: Path | None = None, force: bool = False, run=subprocess.run, log=print) -> bool:
-    """Build the policy, then its drafter, into `folder` (the cache folder) unless it holds a current
-    build; `run(argv, check=True)` runs each command. Returns True when it built."""
+    """Build the policy, then its drafter and the drafter's unrolled fine-tuning, into `folder` (the cache
+    folder) unless it holds a current build; `run(argv, check=True)` runs each command. Returns True when it built."""
     folder = folder or cache_folder()
     r = recipe()
     if is_current(folder, r) and not force:
@@ -171,8 +171,8 @@ def build(folder: Path | None = None, force: bool = False, run=subprocess.run, l
         t0 = time.time()
         run([sys.executable, "-m", "tlt.cli", *argv], check=True)
         step = {"name": name, "command": "tlt " + " ".join(argv), "seconds": round(time.time() - t0)}
-        # Each finished stage is recorded, so an interrupted build (the policy alone takes about
-        # half hour) resumes at the stage it was in.
+        # Each finished stage is recorded, so an interrupted build (each stage takes 15-25 minutes)
+        # resumes at the stage it was in.
         atomic_write_json(folder / f".stage-{name}.json", {"hash": h, "seconds": step["seconds"], "step": step})
         ran.append(step)
 
