@@ -143,9 +143,10 @@ def test_acceptance_schedule_judges_each_arm_against_its_own_best():
     assert per_arm.state_dict() == before
 
 
-def test_an_arm_that_returns_is_judged_on_what_it_does_now():
-    """An arm's old measurements age out: one that ran well, sat out several rollouts (the tuner took
-    other arms) and returns 40% down reads behind at once, not after three more of its rollouts."""
+def test_an_arm_that_returns_is_judged_on_its_last_three_runs():
+    """An arm the tuner left for a while keeps its last 3 measurements: returning 40% down it reads behind
+    after two of its rollouts, as an arm that runs every step does (a single low rollout moves nothing).
+    The state round-trips; a saved state that weighs an arm without a level is refused by name."""
     acc = Schedule(small(train="acceptance"))
     for _ in range(3):
         acc.observe({"tree-d8-k2-v12": (6.0, 100), "tree-d4-k2-v8": (4.0, 100)})
@@ -153,10 +154,12 @@ def test_an_arm_that_returns_is_judged_on_what_it_does_now():
     for _ in range(4):
         acc.observe({"tree-d4-k2-v8": (4.0, 100)})
     acc.observe({"tree-d8-k2-v12": (3.6, 100), "tree-d4-k2-v8": (4.0, 10)})
-    assert acc.level("tree-d8-k2-v12") == 3.6 and acc.due(1, 10)
+    assert acc.level("tree-d8-k2-v12") == 6.0 and not acc.due(1, 10)
+    acc.observe({"tree-d8-k2-v12": (3.6, 100), "tree-d4-k2-v8": (4.0, 10)})
+    assert acc.level("tree-d8-k2-v12") == 3.6 and acc.due(2, 10)
     restored = Schedule(small(train="acceptance"))
     restored.load_state_dict(acc.state_dict())
-    assert restored.state_dict() == acc.state_dict() and restored.due(2, 10)
+    assert restored.state_dict() == acc.state_dict() and restored.due(3, 10)
     with pytest.raises(CheckpointError, match="drafter schedule state.*tree-d2"):
         restored.load_state_dict({**acc.state_dict(), "weights": {"tree-d2-k1-v2": 5}})
 

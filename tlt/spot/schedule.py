@@ -12,8 +12,10 @@ whose acceptance lengths differ by 3x (the bench policy: tree-d2-k1-v2 2.2 token
 6.5), in a mix that follows the live batch sizes of that step's responses, so one figure over all arms
 swings with the mix, not the drafter (a frozen drafter's reads 2.8 to 6.2 across 20 GRPO steps), and a
 schedule judging it would see the drafter behind or improving at most steps. An arm's level is the median
-of its last 3 measurements (older than 3 rollouts: forgotten, so an arm that returns is judged on what it
-does now), and its best level fades by 1% per rollout that measures it unless renewed: one rollout's
+of its last 3 measurements, however many rollouts apart (an arm the tuner left for a while is judged on
+its last 3 runs: a drop shows after two of them, as for an arm that runs every step; forgetting older
+ones made a returning arm's level a single rollout's: in one GRPO run each, 7 of 20 steps trained against 4), and its
+best level fades by 1% per rollout that measures it unless renewed: one rollout's
 figure swings with its samples, and the all-time best is an extreme of that noise. A decision weighs each
 arm of the last rollout by its row-steps: the drafter is behind when the weighted level over best falls
 below `train_fraction`, improving when the weighted level over the previous best exceeds 1.02, or when
@@ -42,8 +44,6 @@ class Schedule:
         self.config = config
         self.best: dict[str, float] = {}  # per arm: the best level seen (fading)
         self.recent: dict[str, list[float]] = {}  # per arm: its last LEVEL_OF measurements
-        self.seen: dict[str, int] = {}  # per arm: the rollout (count of measured ones) it was last measured in
-        self.rollouts = 0  # rollouts that measured an arm
         self.weights: dict[str, int] = {}  # the last measured rollout's row-steps per arm
         self.improving = True
 
@@ -73,14 +73,11 @@ class Schedule:
         if not measured:
             return
         if ANY not in measured:  # per-arm measurements replace a state saved as one level
-            for table in (self.best, self.recent, self.seen):
+            for table in (self.best, self.recent):
                 table.pop(ANY, None)
-        self.rollouts += 1
         gain = weight = 0.0
         for arm, (x, n) in measured.items():
-            fresh = self.seen.get(arm, 0) >= self.rollouts - LEVEL_OF
-            self.recent[arm] = ((self.recent.get(arm, []) if fresh else []) + [x])[-LEVEL_OF:]
-            self.seen[arm] = self.rollouts
+            self.recent[arm] = (self.recent.get(arm, []) + [x])[-LEVEL_OF:]
             level, best = self.level(arm), self.best.get(arm)
             if best is not None:
                 gain, weight = gain + n * level / best, weight + n
@@ -100,8 +97,7 @@ class Schedule:
 
     def state_dict(self) -> dict:
         return {"best": dict(self.best), "recent": {a: list(r) for a, r in self.recent.items()},
-                "seen": dict(self.seen), "rollouts": self.rollouts, "weights": dict(self.weights),
-                "improving": self.improving}
+                "weights": dict(self.weights), "improving": self.improving}
 
     def load_state_dict(self, state: dict) -> None:
         """States saved before levels were kept per arm (one best, a "recent" list or a single "last"
@@ -111,8 +107,6 @@ class Schedule:
         if isinstance(best, dict):
             self.best = {a: float(v) for a, v in best.items()}
             self.recent = {a: [float(x) for x in r] for a, r in (recent or {}).items()}
-            self.rollouts = int(state.get("rollouts", 0))
-            self.seen = {a: int(i) for a, i in state.get("seen", {}).items()}
             self.weights = {a: int(n) for a, n in state.get("weights", {}).items()}
             unknown = sorted(a for a in self.weights if a not in self.best or not self.recent.get(a))
             if unknown:
@@ -121,5 +115,4 @@ class Schedule:
         old = recent if recent is not None else ([] if state.get("last") is None else [state["last"]])
         self.best = {} if best is None else {ANY: float(best)}
         self.recent = {ANY: [float(a) for a in old]} if old else {}
-        self.rollouts, self.seen = (1, {ANY: 1}) if old else (0, {})
         self.weights = {ANY: 1} if old and best is not None else {}
