@@ -65,7 +65,11 @@ class RolloutStats:
 
     def acceptance_by_strategy(self) -> dict[str, float]:
         """Tokens per row per step of each speculative strategy that ran."""
-        return {s: self.acceptance_length(lambda x, s=s: x == s) for s in self.rows_by_strategy()}
+        tokens: dict[str, int] = {}
+        for t, s in zip(self.step_tokens, self.strategies):
+            if s != "off":
+                tokens[s] = tokens.get(s, 0) + t
+        return {s: tokens[s] / rows for s, rows in self.rows_by_strategy().items()}
 
     def as_dict(self) -> dict:
         n = max(len(self.step_times), 1)

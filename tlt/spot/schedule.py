@@ -11,12 +11,11 @@ Levels are kept per arm (strategy that drafts with the learned drafter): an adap
 whose acceptance lengths differ by 3x (the bench policy: tree-d2-k1-v2 2.2 tokens a step, tree-d8-k2-v12
 6.5), in a mix that follows the live batch sizes of that step's responses, so one figure over all arms
 swings with the mix, not the drafter (a frozen drafter's reads 2.8 to 6.2 across 20 GRPO steps), and a
-schedule judging it would see the drafter behind or improving at most steps. An arm's level is the median
-of its last 3 measurements, however many rollouts apart (an arm the tuner left for a while is judged on
-its last 3 runs: a drop shows after two of them, as for an arm that runs every step; forgetting older
-ones made a returning arm's level a single rollout's: in one GRPO run each, 7 of 20 steps trained against 4), and its
-best level fades by 1% per rollout that measures it unless renewed: one rollout's
-figure swings with its samples, and the all-time best is an extreme of that noise. A decision weighs each
+schedule judging it sees the drafter behind or improving at most steps. An arm's level is the median of
+its last 3 measurements, however many rollouts apart: an arm the tuner left for a while shows a drop after
+two of its runs, as an arm that runs every step does, and a level of one rollout's figure would make
+every returning arm a training phase. Its best level fades by 1% per rollout that measures it unless
+renewed: one rollout's figure swings with its samples, and the all-time best is an extreme of that noise. A decision weighs each
 arm of the last rollout by its row-steps: the drafter is behind when the weighted level over best falls
 below `train_fraction`, improving when the weighted level over the previous best exceeds 1.02, or when
 none of the rollout's arms had been measured before (a first measurement, as at the start). The first phase
@@ -34,7 +33,7 @@ from tlt.spot.config import SpotConfig
 IMPROVEMENT = 0.02  # a new best by more than this fraction means the drafter is still learning
 LEVEL_OF = 3  # rollouts whose median acceptance is an arm's level
 BEST_FADE = 0.99  # an arm's best level, unless renewed, shrinks by this factor per rollout that measures it
-ANY = "*"  # the arm of a bare acceptance length (callers that do not split by arm; saved states of old)
+ANY = "*"  # the one arm of a state saved when the level was not kept per arm
 
 
 class Schedule:
@@ -47,7 +46,7 @@ class Schedule:
         self.weights: dict[str, int] = {}  # the last measured rollout's row-steps per arm
         self.improving = True
 
-    def level(self, arm: str = ANY) -> float | None:
+    def level(self, arm: str) -> float | None:
         """An arm's level: the median of its recent measurements (None before any)."""
         recent = self.recent.get(arm)
         return statistics.median(recent) if recent else None
@@ -60,15 +59,11 @@ class Schedule:
         total = sum(self.weights.values())
         return sum(w * self.level(a) / self.best[a] for a, w in self.weights.items()) / total
 
-    def observe(self, acceptance: dict[str, tuple[float, int]] | float | None) -> None:
-        """The rollout that just ended: per arm, (acceptance length, row-steps), or one acceptance length for
-        all (None or an empty dict: no drafter step ran, nothing changes)."""
-        if acceptance is None:
-            return
-        if not isinstance(acceptance, dict):
-            acceptance = {ANY: (acceptance, 1)}
+    def observe(self, arms: dict[str, tuple[float | None, int]]) -> None:
+        """The rollout that just ended: per arm, (acceptance length, row-steps) (`drafter_arms` in
+        spot/rollout.py; empty: no drafter step ran, nothing changes)."""
         # acceptance lengths are at least 1 token a step; an arm with no row-steps measured nothing
-        measured = {a: (float(x), int(n)) for a, (x, n) in acceptance.items()
+        measured = {a: (float(x), int(n)) for a, (x, n) in arms.items()
                     if n > 0 and x is not None and math.isfinite(x) and x > 0}
         if not measured:
             return
