@@ -183,3 +183,22 @@ def test_several_drafter_windows_run_each_drafter_strategy_once_per_window(tmp_p
     assert record["config"]["drafter_windows"] == "0,4" and record["config"]["command_line"]  # how it was run
     assert record["config"]["drafter_windows_applied"] == [None, 4]
     assert record["ratios"]["same_samples"] is True
+
+
+def test_hf_repeats_runs_transformers_in_the_first_repeats_and_pairs_its_ratios(tmp_path):
+    """`--hf-repeats 1` of 2 repeats: transformers runs once, and its ratios pair it with the tlt runs
+    of that repeat."""
+    from tlt.cli import main
+
+    save_tiny_model_and_drafter(tmp_path)
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", "1", "--samples", "2", "--max-tokens", "6", "--repeats", "2", "--hf-repeats", "1",
+                 "--adaptive", "--json", str(out), "--plot", str(tmp_path / "live.png")]) == 0
+    record = json.loads(out.read_text())
+    rows, ratios = record["rows"], record["ratios"]
+    assert len(rows["hf"]["runs_wall_s"]) == 1 and len(rows["tlt_adaptive"]["runs_wall_s"]) == 2
+    hf = rows["hf"]["runs_wall_s"][0]
+    assert ratios["adaptive_vs_hf"] == pytest.approx(hf / rows["tlt_adaptive"]["runs_wall_s"][0])
+    assert ratios["tlt_off_vs_hf"] == pytest.approx(hf / rows["tlt_off"]["runs_wall_s"][0])
+    assert rows["hf"]["paired_vs_off"] == pytest.approx(rows["tlt_off"]["runs_wall_s"][0] / hf)

@@ -36,7 +36,8 @@ def record(n: int, H: int = 4, fill: float = 0.0) -> DraftRecord:
 
 
 def small(**fields) -> SpotConfig:
-    base = dict(train="every", min_pairs=1, lr=3e-3, warmup_steps=0, batch_tokens=128, rows=2, window=32, unroll=1)
+    base = dict(train="every", min_pairs=1, lr=3e-3, warmup_steps=0, batch_tokens=128, rows=2, window=32, unroll=1,
+                holdout=0.0)
     base.update(fields)
     return SpotConfig(**base)
 
@@ -206,6 +207,8 @@ def test_schedule_modes():
         SpotConfig(train="sometimes")
     with pytest.raises(ConfigError, match="batch_tokens"):
         SpotConfig(batch_tokens=100, rows=4, window=256)
+    with pytest.raises(ConfigError, match=r"field 'holdout' must be in \[0, 1\), got 1.0"):
+        SpotConfig(holdout=1.0)
 
 
 # --- coordinator -----------------------------------------------------------------------------------
@@ -592,3 +595,103 @@ def test_a_low_precision_drafter_trains_as_a_float32_twin(target, records):
     assert acceptance_top1(twin, records) > untrained + 0.1
     assert acceptance_top1(twin, records) >= acceptance_top1(full, records) - 0.05
     assert not any(p.grad is not None for p in low.parameters())
+
+
+# --- held-out check of a phase ---------------------------------------------------------------------
+def test_the_held_out_responses_are_a_seeded_share_never_trained_on(records):
+    from tlt.spot.trainer import holdout
+
+    held = holdout(records, small(holdout=0.25), seed=5)
+    assert len(held) == round(0.25 * len(records)) and held == holdout(records, small(holdout=0.25), seed=5)
+    assert held != holdout(records, small(holdout=0.25), seed=6)  # another phase, another share
+    assert holdout(records, small(holdout=0.0), seed=5) == set()
+    assert len(holdout(records[:2], small(holdout=0.125), seed=5)) == 1  # at least one, never all
+    assert holdout([records[0], record(1)], small(holdout=0.5), seed=5) == set()  # one usable response: none
+
+
+def scored_start(target, records, c: SpotConfig, seed: int):
+    """A drafter trained 60 steps (no held-out check), the phase's held-out batch, and the score there."""
+    from tlt.spot.trainer import heldout_batch, holdout
+
+    drafter = Drafter.from_target(target, seed=0)
+    warm = SpotTrainer(drafter, small(max_steps=60))
+    warm.train(batches_of(records, small()), lambda: False)
+    held = holdout(records, c, seed)
+    batch = heldout_batch([records[j] for j in sorted(held)], c)
+    return drafter, warm.state_dict(), batch
+
+
+def test_a_phase_publishes_its_best_held_out_step(target, records):
+    """With a held-out share, the phase ends on the weights that scored best on it, and says so."""
+    from tlt.spot.trainer import run_phase
+
+    c = small(holdout=0.25, max_steps=12)
+    drafter = Drafter.from_target(target, seed=0)
+    state, report = run_phase(drafter, None, records, [1.0] * len(records), c, seed=1)
+    assert report.steps == 12 and 1 <= report.kept <= 12 and state["version"] == 1
+    assert report.heldout_kept > report.heldout_start
+    from tlt.spot.trainer import heldout_batch, holdout
+
+    batch = heldout_batch([records[j] for j in sorted(holdout(records, c, 1))], c)
+    judge = SpotTrainer(drafter, c)
+    assert judge.score(batch) == pytest.approx(report.heldout_kept, abs=1e-6)  # the published weights are the scored ones
+    assert all(torch.equal(v, state["drafter"][k]) for k, v in drafter.state_dict().items())
+
+
+def test_a_phase_that_only_makes_the_drafter_worse_publishes_nothing(target, records):
+    """A phase whose every step scores below its start on the held-out responses (here: a learning rate
+    that wrecks the drafter) leaves the drafter, its optimizer and its counters as they were."""
+    import copy
+
+    from tlt.spot.trainer import run_phase
+
+    c = small(holdout=0.25, max_steps=4, lr=3.0)
+    drafter, start, _ = scored_start(target, records, c, seed=2)
+    before = copy.deepcopy(start)
+    state, report = run_phase(drafter, start, records, [1.0] * len(records), c, seed=2)
+    assert report.steps == 4 and report.kept == 0 and report.heldout_kept == report.heldout_start
+    assert state["version"] == before["version"] == 1 and state["steps"] == before["steps"] == 60
+    assert all(torch.equal(v, before["drafter"][k]) for k, v in drafter.state_dict().items())
+    assert all(torch.equal(v, before["drafter"][k]) for k, v in state["drafter"].items())
+    moments = [s["exp_avg"] for s in state["optimizer"]["state"].values()]
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, before["optimizer"]["state"].values()))
+
+
+def test_a_rejected_phase_is_not_taken_by_the_run(target, records):
+    from tlt.spot.rollout import DrafterLearning
+    from tlt.spot.trainer import PhaseReport
+
+    learning = DrafterLearning(small(), Drafter.from_target(target, seed=0).config, log=lambda _: None)
+    learning.accept({"version": 1}, PhaseReport(steps=3, kept=0), step=0)
+    assert learning.state is None and learning.version == 0
+    learning.accept({"version": 1}, PhaseReport(steps=3, kept=2), step=0)
+    assert learning.version == 1
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5, 9, 14, 23])
+def test_a_stop_anywhere_leaves_the_best_scored_weights(target, records, limit):
+    """Stops land before the first score, inside a step or inside a score: whatever the trainer ends
+    on scores what the report says, and a step whose score the stop cut short is not kept."""
+    from tlt.spot.trainer import heldout_batch, holdout
+
+    c = small(holdout=0.25, unroll=2)
+    held = holdout(records, c, 0)
+    batch = heldout_batch([records[j] for j in sorted(held)], c)
+    kept = [r for j, r in enumerate(records) if j not in held]
+    trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
+    start = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    calls = {"n": 0}
+
+    def should_stop():
+        calls["n"] += 1
+        return calls["n"] > limit
+
+    result = trainer.train(batches_of(kept, c), should_stop, heldout=batch)
+    assert result.stopped == "stop" and result.kept <= result.steps and trainer.steps == result.kept
+    if result.heldout_kept is None:  # stopped before the start was scored: nothing changed
+        assert result.kept == result.steps == 0
+    else:
+        assert trainer.score(batch) == pytest.approx(result.heldout_kept, abs=1e-6)
+    if result.kept == 0:
+        assert all(torch.equal(v, start[k]) for k, v in trainer.drafter.state_dict().items())
+        assert trainer.version == 0

@@ -159,6 +159,7 @@ def compare(base, tlt_mode: str = "adaptive", out: Path | None = None, log=print
                           "acceptance_by_strategy": [r["acceptance_by_strategy"] for r in rows[name]],
                           "drafter_version": [r.get("drafter_version") for r in rows[name]],
                           "drafter_phase_steps": [r.get("drafter_phase_steps") for r in rows[name]],
+                          "drafter_phase_kept": [r.get("drafter_phase_kept") for r in rows[name]],
                           "drafter_stop_latency_s": [r.get("drafter_stop_latency_s") for r in rows[name]]}
                    for name in rows},
         "cold_start": cold_start(rows["tlt"]),

@@ -72,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when torch sees one)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--hf-repeats", type=_positive_int, default=None, metavar="N",
+                        help="run transformers in the first N repeats only (default: every repeat): its generate keeps "
+                             "every row to the longest response, so at reasoning lengths one run takes many of tlt's; "
+                             "its ratios then pair it with tlt's runs of those repeats")
     add_workload_arguments(parser)
     parser.add_argument("--strategies", default="",
                         help="fixed speculative strategies to run too, e.g. tree-d6-k4-v24,chain-d4,ngram-d4")
@@ -329,20 +333,30 @@ def run(args: argparse.Namespace) -> int:
         results = {name: [] for name in systems}
         for r in range(args.repeats):
             for name in rotation(list(systems), r):
+                if name == "hf" and args.hf_repeats is not None and r >= args.hf_repeats:
+                    continue
                 results[name].append(systems[name](r))
                 print(f"  run {r + 1}: {name:8s} {results[name][-1]['wall_s']:7.2f}s", file=sys.stderr)
     rows = {name: summarize(runs) for name, runs in results.items()}
     for name, runs in results.items():
-        if name != "tlt_off":  # the median over repeats of tlt_off's wall / this system's
-            rows[name]["paired_vs_off"] = paired(runs, results["tlt_off"], speed=lambda run: 1 / run["wall_s"])
+        if name != "tlt_off":  # the median over repeats of tlt_off's wall / this system's (hf: the repeats it ran)
+            rows[name]["paired_vs_off"] = paired(runs, results["tlt_off"][:len(runs)], speed=lambda run: 1 / run["wall_s"])
     tuner = Tuner(TunerConfig())
     split = {name: [bucket_split(r["step_s"], r["step_tokens"], r["batch_sizes"], tuner) for r in runs]
              for name, runs in results.items() if name.startswith("tlt_")}  # per repeat
     for name, per_repeat in split.items():
         rows[name].update(bucket_medians(per_repeat))
     ratios = {}
+
+    def vs_hf(name: str) -> float:
+        """transformers' wall over `name`'s: of the medians, or with --hf-repeats the median of the
+        repeats transformers ran, each against the same repeat's run."""
+        if args.hf_repeats is None:
+            return rows["hf"]["wall_s"] / rows[name]["wall_s"]
+        return paired(results[name][:len(results["hf"])], results["hf"], speed=lambda run: 1 / run["wall_s"])
+
     if "hf" in rows:
-        ratios["tlt_off_vs_hf"] = rows["hf"]["wall_s"] / rows["tlt_off"]["wall_s"]
+        ratios["tlt_off_vs_hf"] = vs_hf("tlt_off")
     fixed = {name: row for name, row in rows.items() if name.startswith("tlt_") and name not in adaptive}
     best = min(fixed, key=lambda name: fixed[name]["wall_s"])
     ratios["best_fixed"] = best
@@ -351,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         ratios[f"{key}_vs_off"] = rows["tlt_off"]["wall_s"] / wall
         ratios[f"{key}_vs_best_fixed"] = fixed[best]["wall_s"] / wall
         if "hf" in rows:
-            ratios[f"{key}_vs_hf"] = rows["hf"]["wall_s"] / wall
+            ratios[f"{key}_vs_hf"] = vs_hf(name)
         if baseline is not None:
             ratios[f"{key}_vs_{baseline}"] = rows[baseline]["wall_s"] / wall
     if baseline is not None:

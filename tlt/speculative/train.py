@@ -42,8 +42,9 @@ def eagle_loss(
     mask: torch.Tensor, feature_weight: float = 1.0, token_weight: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The EAGLE loss over valid pairs. f_hat, f_target [B, T, H]; logits [B, T, V]; mask [B, T].
-    Metrics: the two terms, token_kl (the cross-entropy less the target's entropy: 0 at the optimum)
-    and top1 (drafter argmax == target argmax)."""
+    Metrics: the two terms, token_kl (the cross-entropy less the target's entropy: 0 at the optimum),
+    top1 (drafter argmax == target argmax) and accept (the target's probability of the drafter's argmax:
+    how often target-only verification at temperature 1 accepts a one-token draft of it)."""
     m = mask.float()  # [B, T]
     n = m.sum().clamp(min=1)
     feature = F.smooth_l1_loss(f_hat.float(), f_target.float(), reduction="none").mean(-1)  # [B, T]
@@ -52,11 +53,14 @@ def eagle_loss(
     log_q = F.log_softmax(drafter_logits.float(), -1)  # [B, T, V]
     ce = -(p * log_q).sum(-1)  # [B, T]
     kl = (p * (log_p - log_q)).sum(-1)  # [B, T]
-    top1 = (drafter_logits.argmax(-1) == target_logits.argmax(-1)).float()  # [B, T]
+    guess = drafter_logits.argmax(-1)  # [B, T]
+    top1 = (guess == target_logits.argmax(-1)).float()  # [B, T]
+    accept = p.gather(-1, guess[..., None])[..., 0]  # [B, T]
     feature_loss, token_loss = (feature * m).sum() / n, (ce * m).sum() / n
     loss = feature_weight * feature_loss + token_weight * token_loss
     metrics = {"loss": loss.item(), "feature_loss": feature_loss.item(), "token_loss": token_loss.item(),
-               "token_kl": ((kl * m).sum() / n).item(), "top1": ((top1 * m).sum() / n).item()}
+               "token_kl": ((kl * m).sum() / n).item(), "top1": ((top1 * m).sum() / n).item(),
+               "accept": ((accept * m).sum() / n).item()}
     return loss, metrics
 
 
@@ -129,7 +133,7 @@ def unrolled_loss(drafter, batch: PackedBatch, c: DrafterTrainConfig,
         loss, m = eagle_loss(f_hat, batch.targets, logits, target_logits, batch.mask,
                              c.feature_weight, c.token_weight)
         losses.append(loss)
-        metrics.update(m if r == 1 else {f"top1@{r}": m["top1"]})
+        metrics.update(m if r == 1 else {f"top1@{r}": m["top1"], f"accept@{r}": m["accept"]})
         # f_hat[t-1] is the drafter's guess of the feature at t: next round it stands in for f[t].
         features = torch.where(starts, f_true, torch.cat([f_true[:, :1], f_hat[:, :-1]], 1))  # [R, L, H]
     total = torch.stack(losses).mean()

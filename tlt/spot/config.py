@@ -35,6 +35,10 @@ class SpotConfig:
     token_weight: float = setting(0.1, "weight of the next-token loss")
     grad_clip: float = setting(1.0, "gradient-norm clip")
     max_steps: int = setting(0, "optimizer steps per phase at most (0: until rollout ends)")
+    holdout: float = setting(0.125, "fraction of the buffer's responses a phase keeps out of training to score its "
+                             "drafter on, before its first step and after each: it publishes its best-scoring "
+                             "step's weights, none if no step beat the drafter it started from (0: the last "
+                             "step's, unscored)")
     local_steps: int = setting(8, "optimizer steps per phase in-process (workers=1: on the critical path)")
     buffer_mb: int = setting(256, "megabytes of the online buffer")
     buffer_steps: int = setting(2, "policy versions the online buffer keeps")
@@ -62,6 +66,7 @@ class SpotConfig:
         check_int(self, "bits", 4)
         check_choice(self, "bits", (4, 16))
         check(self, "train_fraction", 0 < self.train_fraction <= 1, "in (0, 1]")
+        check(self, "holdout", 0 <= self.holdout < 1, "in [0, 1)")
         check(self, "lr", self.lr > 0, "> 0")
         check(self, "grad_clip", self.grad_clip > 0, "> 0")
         check(self, "batch_tokens", self.batch_tokens // self.rows >= self.window,

@@ -130,18 +130,22 @@ class DrafterLearning:
         return [e.record for e in entries], self.buffer.sample(entries)
 
     def accept(self, state: dict, report: PhaseReport, step: int) -> None:
-        """Take a finished phase's trainer state (when it stepped) and checkpoint it in the background."""
-        if report.steps == 0:
+        """Take a finished phase's trainer state (when it published weights) and checkpoint it in the
+        background."""
+        if report.kept == 0:
             return
         self.state = state
         if self.checkpointer is not None:
             self.checkpointer.save_async(state, self.drafter_config, {"rl_step": step})
 
     def metrics(self, phase: PhaseReport | None) -> dict:
-        """The step's drafter figures: version, the spot phase (optimizer steps, seconds, preemption
-        latency, loss; None: no phase ran) and the buffer's size."""
+        """The step's drafter figures: version, the spot phase (optimizer steps, the steps whose weights
+        it published, held-out scores at its start and of what it published, seconds, preemption latency,
+        loss; None: no phase ran) and the buffer's size."""
         phase = phase or PhaseReport()
         return {"drafter_version": self.version, "drafter_phase_steps": phase.steps,
+                "drafter_phase_kept": phase.kept, "drafter_heldout_start": phase.heldout_start,
+                "drafter_heldout_kept": phase.heldout_kept,
                 "drafter_phase_s": phase.seconds, "drafter_stop_latency_s": phase.stop_latency_s,
                 "drafter_top1": phase.losses.get("top1"), "drafter_buffer_pairs": self.buffer.pairs,
                 "drafter_buffer_bytes": self.buffer.nbytes}
@@ -239,7 +243,7 @@ class LocalRollout:
         state, report = run_phase(self.engine.drafter, learning.state, records, weights, config, learning.seed + step)
         report.worker = 0
         learning.accept(state, report, step)
-        if report.steps:  # the weights are in place already; this records the version and tells the tuner
+        if report.kept:  # the weights are in place already; this records the version and tells the tuner
             self.engine.load_drafter(learning.state["drafter"], learning.version)
         return report
 

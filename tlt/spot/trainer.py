@@ -10,12 +10,23 @@ and a phase that ran on would overlap the policy update). `max_steps` caps a pha
 that moves between workers (`state_dict`) is the drafter's trainable weights, the optimizer state and
 the counters: the target's embedding and head are never part of it.
 
+Held-out check. A phase trains on a few steps' responses of a drafter that may already be at its best for
+the policy (trained offline on it), and a handful of updates on so little data can leave it worse (by 2-4%
+acceptance on the bench policy). So `run_phase` keeps `holdout` of the responses out of training and
+scores the drafter on them before its first step and after each (`accept`, the mean over unrolled rounds
+of the target's probability of the drafter's argmax: a one-token draft's acceptance under target-only
+verification at temperature 1); the phase ends on its best-scoring weights, trainer state included, and
+publishes nothing when no step beat the drafter it started from. Scoring runs inside the idle time and
+stops with the phase like a step; a step not scored before the stop is not kept.
+
 `run_phase` is one phase wherever it runs; a drafter an engine serves in bf16 / fp16 trains as a float32
 twin. When phases run is schedule.py's; how their state is saved, checkpoint.py's.
 """
 
 from __future__ import annotations
 
+import copy
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,10 +42,14 @@ from tlt.spot.config import SpotConfig
 @dataclass
 class PhaseReport:
     """What one spot phase did: its optimizer steps and seconds, why it stopped, the mean of each loss
-    term (speculative.train.unrolled_loss) over its steps; on a pool also the worker it ran on, the
+    term (speculative.train.unrolled_loss) over its steps, the steps whose weights it published (`kept`)
+    and the held-out scores at its start and of what it kept; on a pool also the worker it ran on, the
     drafter offers it made to the tail, and whether it was lost with its worker."""
 
     steps: int = 0
+    kept: int = 0  # the published weights are those after this many of the steps (0: none published)
+    heldout_start: float | None = None  # held-out score of the drafter the phase started from
+    heldout_kept: float | None = None  # held-out score of the weights it published
     seconds: float = 0.0
     stop_latency_s: float | None = None  # from the stop request to the loop's exit
     stopped: str = "stop"  # stop, max_steps
@@ -58,10 +73,12 @@ class SpotTrainer:
 
     def train(self, batches: Iterator[PackedBatch], should_stop: Callable[[], bool],
               stop_requested_at: Callable[[], float | None] | None = None,
-              after_step: Callable[[int], None] | None = None) -> PhaseReport:
+              after_step: Callable[[int], None] | None = None, heldout: PackedBatch | None = None) -> PhaseReport:
         """Optimizer steps until `should_stop()` (checked before each) or `max_steps`. `stop_requested_at`
         returns the perf_counter time of the stop request, to measure the preemption latency;
-        `after_step(steps taken in this phase)` runs after each optimizer step."""
+        `after_step(steps taken in this phase)` runs after each optimizer step. With `heldout`, the
+        drafter is scored on it before the first step and after each, and the trainer ends on its
+        best-scoring state (see the module docstring)."""
         from tlt.speculative.train import unrolled_loss
 
         c, loss_config = self.config, self.config.loss_config()
@@ -76,10 +93,15 @@ class SpotTrainer:
             return grad
 
         hooks = [p.register_hook(on_grad) for p in self.drafter.parameters() if p.requires_grad]
-        self.drafter.train()
         result, sums = PhaseReport(), {}
+        best = None  # (held-out score, trainer state, steps taken) of the best weights scored so far
         start = time.perf_counter()
         try:
+            if heldout is not None:
+                heldout = heldout.to(device, self.drafter.fc.weight.dtype)
+                best = (self.score(heldout, interrupt), copy.deepcopy(self.state_dict()), 0)
+                result.heldout_start = best[0]
+            self.drafter.train()
             while True:
                 if should_stop():
                     result.stopped = "stop"
@@ -106,19 +128,42 @@ class SpotTrainer:
                     after_step(result.steps)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
+                if best is not None:
+                    scored = self.score(heldout, interrupt)
+                    if scored > best[0]:
+                        best = (scored, copy.deepcopy(self.state_dict()), result.steps)
+                    self.drafter.train()
+        except Preempted:  # a stop while scoring: that step is not kept
+            result.stopped = "stop"
         finally:
             for hook in hooks:
                 hook.remove()
             self.drafter.eval()
+        if best is None:
+            result.kept = result.steps
+        else:
+            result.kept, result.heldout_kept = best[2], best[0]
+            if best[2] != result.steps:  # a later step scored lower: back to the best (or the start)
+                self.load_state_dict(best[1])
         end = time.perf_counter()
         result.seconds = end - start
         requested = stop_requested_at() if stop_requested_at is not None else None
         if result.stopped == "stop" and requested is not None:
             result.stop_latency_s = max(end - requested, 0.0)
         result.losses = {k: v / result.steps for k, v in sums.items()} if result.steps else {}
-        if result.steps:
+        if result.kept:
             self.version += 1
         return result
+
+    def score(self, batch: PackedBatch, between_rounds: Callable[[], None] | None = None) -> float:
+        """The drafter's held-out score on `batch`: the mean over the unrolled rounds of `accept`."""
+        from tlt.speculative.train import unrolled_loss
+
+        self.drafter.eval()
+        with torch.no_grad():
+            _, m = unrolled_loss(self.drafter, batch, self.config.loss_config(), between_rounds)
+        rounds = [m["accept"]] + [m[f"accept@{r}"] for r in range(2, self.config.unroll + 1)]
+        return sum(rounds) / len(rounds)
 
     def learning_rate(self) -> float:
         """`lr`, ramped up linearly over the trainer's first `warmup_steps` optimizer steps (over all
@@ -163,11 +208,36 @@ def run_phase(drafter, state: dict | None, records: list, weights: list[float], 
     trainer = SpotTrainer(trained, config)
     if state is not None:
         trainer.load_state_dict(state)
-    entries = [Entry(r, 0, j) for j, r in enumerate(records)]
-    batches = sampled_batches(entries, weights, config.rows, config.row_tokens, config.window, seed)
-    result = trainer.train(batches, should_stop, stop_requested_at, hook if after_step is not None else None)
+    # a phase that offers its drafter to the tail mid-phase publishes its last step's: the tail runs it already
+    held = holdout(records, config, seed) if after_step is None else set()
+    entries = [Entry(r, 0, j) for j, r in enumerate(records) if j not in held]
+    batches = sampled_batches(entries, [w for j, w in enumerate(weights) if j not in held], config.rows,
+                              config.row_tokens, config.window, seed)
+    heldout = heldout_batch([records[j] for j in sorted(held)], config) if held else None
+    result = trainer.train(batches, should_stop, stop_requested_at, hook if after_step is not None else None, heldout)
     publish()
     return trainer.state_dict(), result
+
+
+def holdout(records: list, config: SpotConfig, seed: int) -> set[int]:
+    """Indices of the responses a phase scores its drafter on and does not train on: `holdout` of those
+    with 2 or more tokens, at least one, drawn by `seed`; none when fewer than 2 such responses exist (the
+    phase then trains on all and publishes its last step's)."""
+    usable = [j for j, r in enumerate(records) if r.tokens.shape[0] >= 2]
+    if config.holdout == 0 or len(usable) < 2:
+        return set()
+    count = min(max(1, round(config.holdout * len(usable))), len(usable) - 1)
+    return set(random.Random(seed).sample(usable, count))
+
+
+def heldout_batch(records: list, config: SpotConfig) -> PackedBatch:
+    """The held-out responses' last `window` pairs packed into at most half a training batch's rows
+    (at least one): scoring costs about a sixth of an optimizer step (a forward over half the pairs,
+    against a forward and backward over all)."""
+    from tlt.speculative.data import fill_rows, pack, record_pairs
+
+    rows = list(fill_rows((record_pairs(r, config.window) for r in records), config.row_tokens))
+    return pack(rows[:max(1, config.rows // 2)], config.row_tokens)
 
 
 class TargetHead(OnLMHead, torch.nn.Module):
