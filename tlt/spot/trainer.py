@@ -262,6 +262,10 @@ class TargetHead(OnLMHead, torch.nn.Module):
         self.requires_grad_(False)
         self.to(target.device)
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits [..., V] (what a drafter's forward without gradients calls: scoring)."""
+        return torch.nn.functional.linear(hidden, self.lm_head.weight)
+
 
 def float32_twin(drafter):
     """A float32 copy of `drafter` (trainable weights) over a float32 `TargetHead` of its target."""
