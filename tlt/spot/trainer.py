@@ -1,12 +1,14 @@
 """The spot trainer: drafter training in the idle time of rollout workers, stopped the moment rollout ends.
 
 `SpotTrainer.train(batches, should_stop)` takes optimizer steps on the EAGLE loss (speculative/train.py)
-until `should_stop()` turns true. It is checked before every step and inside the step in flight:
-between training-time-test rounds and as each trainable parameter's gradient arrives in the backward
-pass. A step stopped inside is dropped (gradients cleared, no update), so the weights are always those
-of a whole number of steps, and a stop is honoured within one round's forward or one parameter's share
-of the backward however long a step is (a step of several rounds beside a busy rollout worker is long,
-and a phase that ran on would overlap the policy update). `max_steps` caps a phase on top. The state
+until `should_stop()` turns true. It is checked before every step and inside the step in flight: after
+each trainable module's forward, between training-time-test rounds, and in the backward pass as the
+gradient passes each trainable module's output and reaches each trainable parameter. A step stopped
+inside is dropped (gradients cleared, no update), so the weights are always those of a whole number of
+steps, and a stop is honoured within one module's share of a forward or backward however long a step is
+(a step of several rounds beside a busy rollout worker takes seconds; with checks only per parameter, whose
+gradients arrive when the backward has passed every round, stops took 1-3 s on the bench policy, time
+the policy update then shares its cores with). `max_steps` caps a phase on top. The state
 that moves between workers (`state_dict`) is the drafter's trainable weights, the optimizer state and
 the counters: the target's embedding and head are never part of it.
 
@@ -92,7 +94,14 @@ class SpotTrainer:
             interrupt()
             return grad
 
+        def watch(module, inputs, output) -> None:
+            interrupt()  # forward: a check per trainable module, in training rounds and in scoring alike
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(on_grad)  # backward: one as the gradient passes that module's output
+
         hooks = [p.register_hook(on_grad) for p in self.drafter.parameters() if p.requires_grad]
+        hooks += [m.register_forward_hook(watch) for m in self.drafter.modules()
+                  if any(p.requires_grad for p in m.parameters(recurse=False))]
         result, sums = PhaseReport(), {}
         best = None  # (held-out score, trainer state, steps taken) of the best weights scored so far
         start = time.perf_counter()
