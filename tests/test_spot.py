@@ -598,63 +598,73 @@ def test_a_low_precision_drafter_trains_as_a_float32_twin(target, records):
 
 
 # --- held-out check of a phase ---------------------------------------------------------------------
-def test_the_held_out_responses_are_a_seeded_share_never_trained_on(records):
-    from tlt.spot.trainer import holdout
+def test_the_held_out_responses_are_a_seeded_share_packed_whole_and_never_trained_on(target, records, monkeypatch):
+    from tlt.spot import trainer as T
 
-    held = holdout(records, small(holdout=0.25), seed=5)
-    assert len(held) == round(0.25 * len(records)) and held == holdout(records, small(holdout=0.25), seed=5)
-    assert held != holdout(records, small(holdout=0.25), seed=6)  # another phase, another share
-    assert holdout(records, small(holdout=0.0), seed=5) == set()
-    assert len(holdout(records[:2], small(holdout=0.125), seed=5)) == 1  # at least one, never all
-    assert holdout([records[0], record(1)], small(holdout=0.5), seed=5) == set()  # one usable response: none
+    c = small(holdout=0.5, batch_tokens=256, rows=2, window=32)  # held out: at most one row of 128 pairs
+    weights = [0.0] + [1.0] * (len(records) - 1)  # response 0 is never drawn into training
+    held = T.holdout(records, weights, c, seed=5)
+    assert held == T.holdout(records, weights, c, seed=5) and held != T.holdout(records, weights, c, seed=6)
+    assert 1 <= len(held) <= round(0.5 * (len(records) - 1)) and 0 not in held
+    pairs = [min(records[j].tokens.shape[0] - 1, c.window) for j in held]
+    assert T.heldout_batch([records[j] for j in held], c).mask.sum() == sum(pairs) <= c.row_tokens
+    assert T.holdout(records, weights, small(holdout=0.0), seed=5) == []
+    assert len(T.holdout(records[:2], [1.0, 1.0], small(holdout=0.125), seed=5)) == 1  # at least one, never all
+    assert T.holdout([records[0], record(1)], [1.0, 1.0], small(holdout=0.5), seed=5) == []  # one usable: none
+    from tlt.spot import buffer
 
+    trained = []
+    real = buffer.sampled_batches
 
-def scored_start(target, records, c: SpotConfig, seed: int):
-    """A drafter trained 60 steps (no held-out check), the phase's held-out batch, and the score there."""
-    from tlt.spot.trainer import heldout_batch, holdout
+    def spy(entries, w, *args):
+        trained.extend(e.record for e in entries)
+        return real(entries, w, *args)
 
-    drafter = Drafter.from_target(target, seed=0)
-    warm = SpotTrainer(drafter, small(max_steps=60))
-    warm.train(batches_of(records, small()), lambda: False)
-    held = holdout(records, c, seed)
-    batch = heldout_batch([records[j] for j in sorted(held)], c)
-    return drafter, warm.state_dict(), batch
+    monkeypatch.setattr(buffer, "sampled_batches", spy)
+    _, report = T.run_phase(Drafter.from_target(target, seed=0), None, records, weights,
+                            small(holdout=0.5, batch_tokens=256, rows=2, window=32, max_steps=1), seed=5)
+    assert report.heldout_start is not None
+    assert not any(records[j] is r for j in held for r in trained) and len(trained) == len(records) - len(held)
 
 
 def test_a_phase_publishes_its_best_held_out_step(target, records):
     """With a held-out share, the phase ends on the weights that scored best on it, and says so."""
-    from tlt.spot.trainer import run_phase
+    from tlt.spot.trainer import heldout_batch, holdout, run_phase
 
     c = small(holdout=0.25, max_steps=12)
     drafter = Drafter.from_target(target, seed=0)
-    state, report = run_phase(drafter, None, records, [1.0] * len(records), c, seed=1)
+    weights = [1.0] * len(records)
+    state, report = run_phase(drafter, None, records, weights, c, seed=1)
     assert report.steps == 12 and 1 <= report.kept <= 12 and state["version"] == 1
     assert report.heldout_kept > report.heldout_start
-    from tlt.spot.trainer import heldout_batch, holdout
-
-    batch = heldout_batch([records[j] for j in sorted(holdout(records, c, 1))], c)
-    judge = SpotTrainer(drafter, c)
-    assert judge.score(batch) == pytest.approx(report.heldout_kept, abs=1e-6)  # the published weights are the scored ones
-    assert all(torch.equal(v, state["drafter"][k]) for k, v in drafter.state_dict().items())
+    batch = heldout_batch([records[j] for j in sorted(holdout(records, weights, c, 1))], c)
+    assert SpotTrainer(drafter, c).score(batch) == pytest.approx(report.heldout_kept, abs=1e-6)
 
 
 def test_a_phase_that_only_makes_the_drafter_worse_publishes_nothing(target, records):
     """A phase whose every step scores below its start on the held-out responses (here: a learning rate
-    that wrecks the drafter) leaves the drafter, its optimizer and its counters as they were."""
+    that wrecks the drafter) leaves the drafter, its optimizer and its counters as they were, and the
+    state it started from untouched (Adam updates its moments in place)."""
     import copy
 
     from tlt.spot.trainer import run_phase
 
-    c = small(holdout=0.25, max_steps=4, lr=3.0)
-    drafter, start, _ = scored_start(target, records, c, seed=2)
+    drafter = Drafter.from_target(target, seed=0)
+    warm = SpotTrainer(drafter, small(max_steps=60))
+    warm.train(batches_of(records, small()), lambda: False)
+    start = warm.state_dict()
     before = copy.deepcopy(start)
-    state, report = run_phase(drafter, start, records, [1.0] * len(records), c, seed=2)
+    state, report = run_phase(drafter, start, records, [1.0] * len(records), small(holdout=0.25, max_steps=4, lr=3.0),
+                              seed=2)
     assert report.steps == 4 and report.kept == 0 and report.heldout_kept == report.heldout_start
     assert state["version"] == before["version"] == 1 and state["steps"] == before["steps"] == 60
-    assert all(torch.equal(v, before["drafter"][k]) for k, v in drafter.state_dict().items())
-    assert all(torch.equal(v, before["drafter"][k]) for k, v in state["drafter"].items())
-    moments = [s["exp_avg"] for s in state["optimizer"]["state"].values()]
-    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, before["optimizer"]["state"].values()))
+    for got in (drafter.state_dict(), state["drafter"], start["drafter"]):
+        assert all(torch.equal(v, before["drafter"][k]) for k, v in got.items())
+    for got in (state, start):
+        moments = got["optimizer"]["state"]
+        assert len(moments) == len(before["optimizer"]["state"]) > 0
+        assert all(torch.equal(moments[i]["exp_avg"], s["exp_avg"]) and torch.equal(moments[i]["step"], s["step"])
+                   for i, s in before["optimizer"]["state"].items())
 
 
 def test_a_rejected_phase_is_not_taken_by_the_run(target, records):
@@ -668,30 +678,59 @@ def test_a_rejected_phase_is_not_taken_by_the_run(target, records):
     assert learning.version == 1
 
 
-@pytest.mark.parametrize("limit", [1, 2, 5, 9, 14, 23])
-def test_a_stop_anywhere_leaves_the_best_scored_weights(target, records, limit):
-    """Stops land before the first score, inside a step or inside a score: whatever the trainer ends
-    on scores what the report says, and a step whose score the stop cut short is not kept."""
+def test_a_stop_anywhere_leaves_the_best_scored_weights(target, records):
+    """Stops before the first score, inside a step, inside a later score: whatever the trainer ends on
+    scores what the report says, a step whose score the stop cut short is not kept, and nothing is kept
+    when nothing scored above the start."""
     from tlt.spot.trainer import heldout_batch, holdout
 
     c = small(holdout=0.25, unroll=2)
-    held = holdout(records, c, 0)
-    batch = heldout_batch([records[j] for j in sorted(held)], c)
+    weights = [1.0] * len(records)
+    held = holdout(records, weights, c, 0)
+    batch = heldout_batch([records[j] for j in held], c)
     kept = [r for j, r in enumerate(records) if j not in held]
-    trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
-    start = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
     calls = {"n": 0}
 
-    def should_stop():
-        calls["n"] += 1
-        return calls["n"] > limit
+    def counting(limit):
+        def should_stop():
+            calls["n"] += 1
+            return calls["n"] > limit
+        return should_stop
 
-    result = trainer.train(batches_of(kept, c), should_stop, heldout=batch)
-    assert result.stopped == "stop" and result.kept <= result.steps and trainer.steps == result.kept
-    if result.heldout_kept is None:  # stopped before the start was scored: nothing changed
-        assert result.kept == result.steps == 0
-    else:
-        assert trainer.score(batch) == pytest.approx(result.heldout_kept, abs=1e-6)
-    if result.kept == 0:
-        assert all(torch.equal(v, start[k]) for k, v in trainer.drafter.state_dict().items())
-        assert trainer.version == 0
+    marks = []  # the check count at the end of each optimizer step (before its score) in an unstopped run
+    calls["n"] = 0
+    SpotTrainer(Drafter.from_target(target, seed=0), small(holdout=0.25, unroll=2, max_steps=3)).train(
+        batches_of(kept, c), counting(10**9), after_step=lambda s: marks.append(calls["n"]), heldout=batch)
+    assert len(marks) == 3
+    rolled_back = False
+    for limit in (0, 1, marks[0] - 2, marks[0] + 1, marks[1] + 1, marks[2] + 1, marks[2] - 3):
+        calls["n"] = 0
+        trainer = SpotTrainer(Drafter.from_target(target, seed=0), c)
+        start = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+        result = trainer.train(batches_of(kept, c), counting(limit), heldout=batch)
+        assert result.stopped == "stop" and result.kept <= result.steps and trainer.steps == result.kept
+        if result.heldout_kept is None:  # stopped before the start was scored: nothing changed
+            assert result.kept == result.steps == 0
+        else:
+            assert trainer.score(batch) == pytest.approx(result.heldout_kept, abs=1e-6)
+        if limit in (marks[0] + 1, marks[1] + 1, marks[2] + 1):  # stopped inside the score of the last step
+            assert result.kept < result.steps
+            rolled_back = rolled_back or result.kept > 0
+        if result.kept == 0:
+            assert all(torch.equal(v, start[k]) for k, v in trainer.drafter.state_dict().items())
+            assert trainer.version == 0
+    assert rolled_back  # some stop ended on an earlier step's weights, not the start's
+
+
+def test_a_bf16_drafter_is_scored_as_its_float32_twin(target, records):
+    """A bf16 engine's drafter trains and is scored as a float32 twin over float32 copies of the target's
+    embedding and head (scoring runs without gradients, through the twin's own head)."""
+    import copy
+
+    from tlt.spot.trainer import run_phase
+
+    drafter = Drafter.from_target(copy.deepcopy(target).to(torch.bfloat16), seed=0).eval()
+    state, report = run_phase(drafter, None, records, [1.0] * len(records), small(holdout=0.25, max_steps=3), seed=0)
+    assert report.steps == 3 and 0 < report.heldout_start < 1 and report.heldout_kept >= report.heldout_start
+    assert all(v.dtype == torch.float32 for v in state["drafter"].values())
+    assert all(v.dtype == torch.bfloat16 for v in drafter.state_dict().values())

@@ -5,7 +5,9 @@ The workload is one GRPO rollout of a model (the default one unless `--model`) o
 temperature 1.0, each response running until its end-of-sequence token. Every system generates for the
 same prompts with the same sampling settings; runs alternate between systems, in an order that rotates
 every repeat, so machine noise hits all of them, and each figure is the median of `--repeats` runs.
-Ratios are baseline time / system time (> 1 means faster than the baseline), of the medians; each
+`--hf-repeats N` runs transformers in the first N repeats only, and its ratios are then the median of
+the ratios within those repeats. Ratios are baseline time / system time (> 1 means faster than the
+baseline), of the medians; each
 system's `paired_vs_off` is the median over repeats of the ratio within a repeat, steadier when the
 machine's speed drifts between repeats. A PNG shows the live batch size over time: transformers keeps
 finished rows in its batch to the end, tlt's batch shrinks as responses finish. `--dtype` sets the
@@ -340,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
     rows = {name: summarize(runs) for name, runs in results.items()}
     for name, runs in results.items():
         if name != "tlt_off":  # the median over repeats of tlt_off's wall / this system's (hf: the repeats it ran)
-            rows[name]["paired_vs_off"] = paired(runs, results["tlt_off"][:len(runs)], speed=lambda run: 1 / run["wall_s"])
+            base = results["tlt_off"][:len(runs)] if name == "hf" else results["tlt_off"]
+            rows[name]["paired_vs_off"] = paired(runs, base, speed=lambda run: 1 / run["wall_s"])
     tuner = Tuner(TunerConfig())
     split = {name: [bucket_split(r["step_s"], r["step_tokens"], r["batch_sizes"], tuner) for r in runs]
              for name, runs in results.items() if name.startswith("tlt_")}  # per repeat
@@ -351,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     def vs_hf(name: str) -> float:
         """transformers' wall over `name`'s: of the medians, or with --hf-repeats the median of the
         repeats transformers ran, each against the same repeat's run."""
-        if args.hf_repeats is None:
+        if args.hf_repeats is None or args.hf_repeats >= args.repeats:
             return rows["hf"]["wall_s"] / rows[name]["wall_s"]
         return paired(results[name][:len(results["hf"])], results["hf"], speed=lambda run: 1 / run["wall_s"])
 

@@ -107,7 +107,7 @@ def _why_no_drafter(run: Path) -> str:
     if all(r.get("drafter_phase_kept") == 0 for r in rows if r.get("drafter_phase_steps")):
         return (f"; its drafter phases took {steps} optimizer steps, but none scored above the drafter it started "
                 f"from on the held-out responses (drafter.holdout={get('drafter.holdout')}), so the run kept "
-                f"drafting with {drafter!r}: export that (or set drafter.holdout=0 to publish every phase)")
+                f"drafting with the drafter it started from ({drafter!r}); drafter.holdout=0 publishes every phase")
     return ""
 
 

@@ -151,7 +151,7 @@ class DrafterLearning:
                 "drafter_buffer_bytes": self.buffer.nbytes}
 
     def snapshot(self, step: int):
-        """The newest trainer state as something a run checkpoint can save (None: no phase stepped yet)."""
+        """The newest trainer state as something a run checkpoint can save (None: no phase published one yet)."""
         from tlt.spot.checkpoint import StateSnapshot
 
         return StateSnapshot(self.state, self.drafter_config, {"rl_step": step}) if self.state is not None else None

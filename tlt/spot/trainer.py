@@ -6,9 +6,9 @@ each trainable module's forward, between training-time-test rounds, and in the b
 gradient passes each trainable module's output and reaches each trainable parameter. A step stopped
 inside is dropped (gradients cleared, no update), so the weights are always those of a whole number of
 steps, and a stop is honoured within one module's share of a forward or backward however long a step is
-(a step of several rounds beside a busy rollout worker takes seconds; with checks only per parameter, whose
-gradients arrive when the backward has passed every round, stops took 1-3 s on the bench policy, time
-the policy update then shares its cores with). `max_steps` caps a phase on top. The state
+(a step of several rounds beside a busy rollout worker takes seconds, and a parameter's gradient arrives
+only once the backward has passed every round; a phase that ran on would share its cores with the policy
+update). `max_steps` caps a phase on top. The state
 that moves between workers (`state_dict`) is the drafter's trainable weights, the optimizer state and
 the counters: the target's embedding and head are never part of it.
 
@@ -19,7 +19,8 @@ scores the drafter on them before its first step and after each (`accept`, the m
 of the target's probability of the drafter's argmax: a one-token draft's acceptance under target-only
 verification at temperature 1); the phase ends on its best-scoring weights, trainer state included, and
 publishes nothing when no step beat the drafter it started from. Scoring runs inside the idle time and
-stops with the phase like a step; a step not scored before the stop is not kept.
+stops with the phase like a step; a step not scored before the stop is not kept. A phase that offers its
+drafter to the tail mid-phase (`hot_swap_every`) holds nothing out and publishes its last step's.
 
 `run_phase` is one phase wherever it runs; a drafter an engine serves in bf16 / fp16 trains as a float32
 twin. When phases run is schedule.py's; how their state is saved, checkpoint.py's.
@@ -71,7 +72,7 @@ class SpotTrainer:
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                            betas=(0.9, 0.95))
         self.steps = 0  # optimizer steps over the run
-        self.version = 0  # drafter versions published (one per phase that stepped)
+        self.version = 0  # drafter versions published (one per phase that kept a step)
 
     def train(self, batches: Iterator[PackedBatch], should_stop: Callable[[], bool],
               stop_requested_at: Callable[[], float | None] | None = None,
@@ -95,7 +96,7 @@ class SpotTrainer:
             return grad
 
         def watch(module, inputs, output) -> None:
-            interrupt()  # forward: a check per trainable module, in training rounds and in scoring alike
+            interrupt()  # forward: a check per trainable module called as a module (training rounds)
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(on_grad)  # backward: one as the gradient passes that module's output
 
@@ -168,6 +169,8 @@ class SpotTrainer:
         """The drafter's held-out score on `batch`: the mean over the unrolled rounds of `accept`."""
         from tlt.speculative.train import unrolled_loss
 
+        if between_rounds is not None:
+            between_rounds()  # unrolled_loss checks before each later round; scoring's forwards run no module hooks
         self.drafter.eval()
         with torch.no_grad():
             _, m = unrolled_loss(self.drafter, batch, self.config.loss_config(), between_rounds)
@@ -188,7 +191,8 @@ class SpotTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict({k: v.to(self.drafter.fc.weight.dtype) for k, v in state["drafter"].items()})
-        self.optimizer.load_state_dict(state["optimizer"])
+        # a copy: Adam updates its moments in place, and `state` (the run's last published one) must not move
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.steps, self.version = int(state["steps"]), int(state["version"])
 
 
@@ -218,7 +222,7 @@ def run_phase(drafter, state: dict | None, records: list, weights: list[float], 
     if state is not None:
         trainer.load_state_dict(state)
     # a phase that offers its drafter to the tail mid-phase publishes its last step's: the tail runs it already
-    held = holdout(records, config, seed) if after_step is None else set()
+    held = set(holdout(records, weights, config, seed) if after_step is None else [])
     entries = [Entry(r, 0, j) for j, r in enumerate(records) if j not in held]
     batches = sampled_batches(entries, [w for j, w in enumerate(weights) if j not in held], config.rows,
                               config.row_tokens, config.window, seed)
@@ -228,25 +232,35 @@ def run_phase(drafter, state: dict | None, records: list, weights: list[float], 
     return trainer.state_dict(), result
 
 
-def holdout(records: list, config: SpotConfig, seed: int) -> set[int]:
-    """Indices of the responses a phase scores its drafter on and does not train on: `holdout` of those
-    with 2 or more tokens, at least one, drawn by `seed`; none when fewer than 2 such responses exist (the
-    phase then trains on all and publishes its last step's)."""
-    usable = [j for j, r in enumerate(records) if r.tokens.shape[0] >= 2]
+def holdout(records: list, weights: list[float], config: SpotConfig, seed: int) -> list[int]:
+    """Indices of the responses a phase scores its drafter on and does not train on: of those it could train
+    on (2 or more tokens, a positive sampling weight), at most `holdout` and never all, in an order drawn by
+    `seed`, as many as their windows fill half a training batch's rows (at least one row), packed as
+    `heldout_batch` packs them; none when fewer than 2 such responses exist (the phase then trains on all
+    and publishes its last step's). Scoring then costs about a sixth of an optimizer step (a forward over
+    half the pairs, against a forward and backward over all)."""
+    usable = [j for j, (r, w) in enumerate(zip(records, weights)) if r.tokens.shape[0] >= 2 and w > 0]
     if config.holdout == 0 or len(usable) < 2:
-        return set()
+        return []
     count = min(max(1, round(config.holdout * len(usable))), len(usable) - 1)
-    return set(random.Random(seed).sample(usable, count))
+    rows, used, taken = 1, 0, []
+    for j in random.Random(seed).sample(usable, count):
+        pairs = min(records[j].tokens.shape[0] - 1, config.window)
+        if used + pairs > config.row_tokens:  # a new row, as fill_rows starts one
+            if rows == max(1, config.rows // 2):
+                break
+            rows, used = rows + 1, 0
+        taken.append(j)
+        used += pairs
+    return taken
 
 
 def heldout_batch(records: list, config: SpotConfig) -> PackedBatch:
-    """The held-out responses' last `window` pairs packed into at most half a training batch's rows
-    (at least one): scoring costs about a sixth of an optimizer step (a forward over half the pairs,
-    against a forward and backward over all)."""
+    """The held-out responses' last `window` pairs, packed into rows as a training batch's are."""
     from tlt.speculative.data import fill_rows, pack, record_pairs
 
-    rows = list(fill_rows((record_pairs(r, config.window) for r in records), config.row_tokens))
-    return pack(rows[:max(1, config.rows // 2)], config.row_tokens)
+    return pack(list(fill_rows((record_pairs(r, config.window) for r in records), config.row_tokens)),
+                config.row_tokens)
 
 
 class TargetHead(OnLMHead, torch.nn.Module):
