@@ -14,8 +14,8 @@ the counters: the target's embedding and head are never part of it.
 
 Held-out check. A phase trains on a few steps' responses of a drafter that may already be at its best for
 the policy (trained offline on it), and a handful of updates on so little data can leave it worse (by 2-4%
-acceptance on the bench policy). So `run_phase` keeps `holdout` of the responses out of training and
-scores the drafter on them before its first step and after each (`accept`, the mean over unrolled rounds
+acceptance on the bench policy). So `run_phase` keeps up to `holdout` of the responses out of training
+(`holdout()`: as many as fill half a training batch) and scores the drafter on them before its first step and after each (`accept`, the mean over unrolled rounds
 of the target's probability of the drafter's argmax: a one-token draft's acceptance under target-only
 verification at temperature 1); the phase ends on its best-scoring weights, trainer state included, and
 publishes nothing when no step beat the drafter it started from. Scoring runs inside the idle time and
