@@ -35,11 +35,11 @@ class SpotConfig:
     token_weight: float = setting(0.1, "weight of the next-token loss")
     grad_clip: float = setting(1.0, "gradient-norm clip")
     max_steps: int = setting(0, "optimizer steps per phase at most (0: until rollout ends)")
-    holdout: float = setting(0.125, "fraction of the buffer's responses a phase keeps out of training, at most (as many as "
-                             "fill half a training batch), to score its "
-                             "drafter on, before its first step and after each: it publishes its best-scoring "
-                             "step's weights, none if no step beat the drafter it started from (0, or a phase "
-                             "that hot-swaps into the tail: the last step's, unscored)")
+    holdout: float = setting(0.125, "fraction of the buffer's responses a phase keeps out of training at most (as "
+                             "many as fill half a training batch) to score its drafter on, before its first step "
+                             "and after each: it publishes its best-scoring step's weights, none if no step beat "
+                             "the drafter it started from (0, or a phase that hot-swaps into the tail: the last "
+                             "step's, unscored)")
     local_steps: int = setting(8, "optimizer steps per phase in-process (workers=1: on the critical path)")
     buffer_mb: int = setting(256, "megabytes of the online buffer")
     buffer_steps: int = setting(2, "policy versions the online buffer keeps")
