@@ -219,6 +219,8 @@ def test_a_run_without_a_drafter_says_why_and_what_to_change(tmp_path, capsys):
         "at most 700 pairs, fewer than drafter.min_pairs=2048": run_dir(
             "few", [{"drafter_buffer_pairs": 300}, {"drafter_buffer_pairs": 700}]),
         "no drafter phase ran in 1 steps": run_dir("idle", [{"drafter_buffer_pairs": 5000, "drafter_phase_steps": 0}]),
+        "took 3 optimizer steps, but none scored above the drafter it started from": run_dir(
+            "rejected", [{"drafter_buffer_pairs": 5000, "drafter_phase_steps": 3, "drafter_phase_kept": 0}]),
         "did not train its drafter (drafter.train=off)": run_dir("flat", config={  # the layout before groups
             "model": "m", "speculative": "adaptive", "drafter": "random", "drafter_train": "off"}),
     }

@@ -603,14 +603,14 @@ def test_the_held_out_responses_are_a_seeded_share_packed_whole_and_never_traine
 
     c = small(holdout=0.5, batch_tokens=256, rows=2, window=32)  # held out: at most one row of 128 pairs
     weights = [0.0] + [1.0] * (len(records) - 1)  # response 0 is never drawn into training
-    held = T.holdout(records, weights, c, seed=5)
-    assert held == T.holdout(records, weights, c, seed=5) and held != T.holdout(records, weights, c, seed=6)
+    held, batch = T.holdout(records, weights, c, seed=5)
+    assert held == T.holdout(records, weights, c, seed=5)[0] and held != T.holdout(records, weights, c, seed=6)[0]
     assert 1 <= len(held) <= round(0.5 * (len(records) - 1)) and 0 not in held
     pairs = [min(records[j].tokens.shape[0] - 1, c.window) for j in held]
-    assert T.heldout_batch([records[j] for j in held], c).mask.sum() == sum(pairs) <= c.row_tokens
-    assert T.holdout(records, weights, small(holdout=0.0), seed=5) == []
-    assert len(T.holdout(records[:2], [1.0, 1.0], small(holdout=0.125), seed=5)) == 1  # at least one, never all
-    assert T.holdout([records[0], record(1)], [1.0, 1.0], small(holdout=0.5), seed=5) == []  # one usable: none
+    assert batch.mask.sum() == sum(pairs) <= c.row_tokens
+    assert T.holdout(records, weights, small(holdout=0.0), seed=5) == ([], None)
+    assert len(T.holdout(records[:2], [1.0, 1.0], small(holdout=0.125), seed=5)[0]) == 1  # at least one, never all
+    assert T.holdout([records[0], record(1)], [1.0, 1.0], small(holdout=0.5), seed=5) == ([], None)  # one usable
     from tlt.spot import buffer
 
     trained = []
@@ -629,7 +629,7 @@ def test_the_held_out_responses_are_a_seeded_share_packed_whole_and_never_traine
 
 def test_a_phase_publishes_its_best_held_out_step(target, records):
     """With a held-out share, the phase ends on the weights that scored best on it, and says so."""
-    from tlt.spot.trainer import heldout_batch, holdout, run_phase
+    from tlt.spot.trainer import holdout, run_phase
 
     c = small(holdout=0.25, max_steps=12)
     drafter = Drafter.from_target(target, seed=0)
@@ -637,7 +637,7 @@ def test_a_phase_publishes_its_best_held_out_step(target, records):
     state, report = run_phase(drafter, None, records, weights, c, seed=1)
     assert report.steps == 12 and 1 <= report.kept <= 12 and state["version"] == 1
     assert report.heldout_kept > report.heldout_start
-    batch = heldout_batch([records[j] for j in sorted(holdout(records, weights, c, 1))], c)
+    _, batch = holdout(records, weights, c, 1)
     assert SpotTrainer(drafter, c).score(batch) == pytest.approx(report.heldout_kept, abs=1e-6)
 
 
@@ -682,12 +682,11 @@ def test_a_stop_anywhere_leaves_the_best_scored_weights(target, records):
     """Stops before the first score, inside a step, inside a later score: whatever the trainer ends on
     scores what the report says, a step whose score the stop cut short is not kept, and nothing is kept
     when nothing scored above the start."""
-    from tlt.spot.trainer import heldout_batch, holdout
+    from tlt.spot.trainer import holdout
 
     c = small(holdout=0.25, unroll=2)
     weights = [1.0] * len(records)
-    held = holdout(records, weights, c, 0)
-    batch = heldout_batch([records[j] for j in held], c)
+    held, batch = holdout(records, weights, c, 0)
     kept = [r for j, r in enumerate(records) if j not in held]
     calls = {"n": 0}
 

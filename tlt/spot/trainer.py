@@ -8,19 +8,20 @@ inside is dropped (gradients cleared, no update), so the weights are always thos
 steps, and a stop is honoured within one module's share of a forward or backward however long a step is
 (a step of several rounds beside a busy rollout worker takes seconds, and a parameter's gradient arrives
 only once the backward has passed every round; a phase that ran on would share its cores with the policy
-update). `max_steps` caps a phase on top. The state
-that moves between workers (`state_dict`) is the drafter's trainable weights, the optimizer state and
-the counters: the target's embedding and head are never part of it.
+update). `max_steps` caps a phase on top. The state that moves between workers (`state_dict`) is the
+drafter's trainable weights, the optimizer state and the counters: the target's embedding and head are
+never part of it.
 
 Held-out check. A phase trains on a few steps' responses of a drafter that may already be at its best for
 the policy (trained offline on it), and a handful of updates on so little data can leave it worse (by 2-4%
 acceptance on the bench policy). So `run_phase` keeps up to `holdout` of the responses out of training
-(`holdout()`: as many as fill half a training batch) and scores the drafter on them before its first step and after each (`accept`, the mean over unrolled rounds
-of the target's probability of the drafter's argmax: a one-token draft's acceptance under target-only
-verification at temperature 1); the phase ends on its best-scoring weights, trainer state included, and
-publishes nothing when no step beat the drafter it started from. Scoring runs inside the idle time and
-stops with the phase like a step; a step not scored before the stop is not kept. A phase that offers its
-drafter to the tail mid-phase (`hot_swap_every`) holds nothing out and publishes its last step's.
+(`holdout()`: as many as fill half a training batch) and scores the drafter on them before its first
+step and after each (`accept`, the mean over unrolled rounds of the target's probability of the drafter's
+argmax: a one-token draft's acceptance under target-only verification at temperature 1); the phase
+ends on its best-scoring weights, trainer state included, and publishes nothing when no step beat the
+drafter it started from. Scoring runs inside the idle time and stops with the phase like a step; a step
+not scored before the stop is not kept. A phase that offers its drafter to the tail mid-phase
+(`hot_swap_every`) holds nothing out and publishes its last step's.
 
 `run_phase` is one phase wherever it runs; a drafter an engine serves in bf16 / fp16 trains as a float32
 twin. When phases run is schedule.py's; how their state is saved, checkpoint.py's.
@@ -29,6 +30,7 @@ twin. When phases run is schedule.py's; how their state is saved, checkpoint.py'
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -104,13 +106,14 @@ class SpotTrainer:
         hooks += [m.register_forward_hook(watch) for m in self.drafter.modules()
                   if any(p.requires_grad for p in m.parameters(recurse=False))]
         result, sums = PhaseReport(), {}
-        best = None  # (held-out score, trainer state, steps taken) of the best weights scored so far
+        # the best weights scored on the held-out batch so far: their score, trainer state and steps taken
+        best_score, best_state, best_steps = None, None, 0
         start = time.perf_counter()
         try:
             if heldout is not None:
                 heldout = heldout.to(device, self.drafter.fc.weight.dtype)
-                best = (self.score(heldout, interrupt), copy.deepcopy(self.state_dict()), 0)
-                result.heldout_start = best[0]
+                best_score, best_state = self.score(heldout, interrupt), copy.deepcopy(self.state_dict())
+                result.heldout_start = best_score
             self.drafter.train()
             while True:
                 if should_stop():
@@ -138,10 +141,10 @@ class SpotTrainer:
                     after_step(result.steps)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
-                if best is not None:
+                if best_score is not None:
                     scored = self.score(heldout, interrupt)
-                    if scored > best[0]:
-                        best = (scored, copy.deepcopy(self.state_dict()), result.steps)
+                    if scored > best_score:
+                        best_score, best_state, best_steps = scored, copy.deepcopy(self.state_dict()), result.steps
                     self.drafter.train()
         except Preempted:  # a stop while scoring: that step is not kept
             result.stopped = "stop"
@@ -149,12 +152,12 @@ class SpotTrainer:
             for hook in hooks:
                 hook.remove()
             self.drafter.eval()
-        if best is None:
+        if best_score is None:
             result.kept = result.steps
         else:
-            result.kept, result.heldout_kept = best[2], best[0]
-            if best[2] != result.steps:  # a later step scored lower: back to the best (or the start)
-                self.load_state_dict(best[1])
+            result.kept, result.heldout_kept = best_steps, best_score
+            if best_steps != result.steps:  # a later step scored lower: back to the best (or the start)
+                self.load_state_dict(best_state)
         end = time.perf_counter()
         result.seconds = end - start
         requested = stop_requested_at() if stop_requested_at is not None else None
@@ -222,45 +225,35 @@ def run_phase(drafter, state: dict | None, records: list, weights: list[float], 
     if state is not None:
         trainer.load_state_dict(state)
     # a phase that offers its drafter to the tail mid-phase publishes its last step's: the tail runs it already
-    held = set(holdout(records, weights, config, seed) if after_step is None else [])
+    indices, heldout = holdout(records, weights, config, seed) if after_step is None else ([], None)
+    held = set(indices)
     entries = [Entry(r, 0, j) for j, r in enumerate(records) if j not in held]
     batches = sampled_batches(entries, [w for j, w in enumerate(weights) if j not in held], config.rows,
                               config.row_tokens, config.window, seed)
-    heldout = heldout_batch([records[j] for j in sorted(held)], config) if held else None
     result = trainer.train(batches, should_stop, stop_requested_at, hook if after_step is not None else None, heldout)
     publish()
     return trainer.state_dict(), result
 
 
-def holdout(records: list, weights: list[float], config: SpotConfig, seed: int) -> list[int]:
-    """Indices of the responses a phase scores its drafter on and does not train on: of those it could train
-    on (2 or more tokens, a positive sampling weight), at most `holdout` and never all, in an order drawn by
-    `seed`, as many as their windows fill half a training batch's rows (at least one row), packed as
-    `heldout_batch` packs them; none when fewer than 2 such responses exist (the phase then trains on all
-    and publishes its last step's). Scoring then costs about a sixth of an optimizer step (a forward over
-    half the pairs, against a forward and backward over all)."""
-    usable = [j for j, (r, w) in enumerate(zip(records, weights)) if r.tokens.shape[0] >= 2 and w > 0]
-    if config.holdout == 0 or len(usable) < 2:
-        return []
-    count = min(max(1, round(config.holdout * len(usable))), len(usable) - 1)
-    rows, used, taken = 1, 0, []
-    for j in random.Random(seed).sample(usable, count):
-        pairs = min(records[j].tokens.shape[0] - 1, config.window)
-        if used + pairs > config.row_tokens:  # a new row, as fill_rows starts one
-            if rows == max(1, config.rows // 2):
-                break
-            rows, used = rows + 1, 0
-        taken.append(j)
-        used += pairs
-    return taken
-
-
-def heldout_batch(records: list, config: SpotConfig) -> PackedBatch:
-    """The held-out responses' last `window` pairs, packed into rows as a training batch's are."""
+def holdout(records: list, weights: list[float], config: SpotConfig,
+            seed: int) -> tuple[list[int], PackedBatch | None]:
+    """The responses a phase scores its drafter on and does not train on, and their packed batch: of the
+    responses it could train on (2 or more tokens, a positive sampling weight), at most `holdout` and never
+    all, in an order drawn by `seed`, those whose last `window` pairs fill half a training batch's rows (at
+    least one row), packed as a training batch's are; none when fewer than 2 such responses exist (the phase
+    then trains on all and publishes its last step's). Scoring then costs about a sixth of an optimizer step
+    (a forward over half the pairs, against a forward and backward over all)."""
     from tlt.speculative.data import fill_rows, pack, record_pairs
 
-    return pack(list(fill_rows((record_pairs(r, config.window) for r in records), config.row_tokens)),
-                config.row_tokens)
+    usable = [j for j, (r, w) in enumerate(zip(records, weights)) if r.tokens.shape[0] >= 2 and w > 0]
+    if config.holdout == 0 or len(usable) < 2:
+        return [], None
+    count = min(max(1, round(config.holdout * len(usable))), len(usable) - 1)
+    drawn = random.Random(seed).sample(usable, count)
+    windows = [record_pairs(records[j], config.window) for j in drawn]
+    rows = list(itertools.islice(fill_rows(iter(windows), config.row_tokens), max(1, config.rows // 2)))
+    packed = {id(p) for row in rows for p in row}
+    return [j for j, p in zip(drawn, windows) if id(p) in packed], pack(rows, config.row_tokens)
 
 
 class TargetHead(OnLMHead, torch.nn.Module):
