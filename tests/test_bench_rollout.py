@@ -55,13 +55,13 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
     code = main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
                  "--prompts", "2", "--samples", "3", "--max-tokens", "12", "--repeats", "1", "--skip-hf",
                  "--strategies", "tree-d2-k2-v3", "--adaptive", "--adaptive-arms", "off,tree-d2-k2-v3",
-                 "--json", str(out), "--plot", str(tmp_path / "live.png")])
+                 "--adaptive-tuner", "buckets=1,4  row_slope=false", "--json", str(out), "--plot", str(tmp_path / "live.png")])
     assert code == 0
     assert (tmp_path / "live.png").exists() and (tmp_path / "live_strategy.png").exists()
     record = json.loads(out.read_text())
     labels = [Tuner(TunerConfig()).label(i) for i in range(len(TunerConfig().buckets) + 1)]
-    narrow = "tlt_adaptive:off+tree-d2-k2-v3"
-    for name in ("tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive", narrow):
+    narrow, tuned = "tlt_adaptive:off+tree-d2-k2-v3", "tlt_adaptive[buckets=1,4 row_slope=false]"
+    for name in ("tlt_off", "tlt_tree-d2-k2-v3", "tlt_adaptive", narrow, tuned):
         row = record["rows"][name]
         assert list(row["bucket_seconds"]) == list(row["bucket_tokens_per_s"]) == labels
         assert 0 < sum(row["bucket_seconds"].values()) <= row["wall_s"]
@@ -79,8 +79,11 @@ def test_the_command_records_bucket_seconds_and_the_bound(tmp_path):
     chosen = {a for b in record["rows"][narrow]["tuner"]["buckets"] for a, n in b["choices"].items() if n}
     assert chosen and chosen <= {"off", "tree-d2-k2-v3"}
     assert set(record["rows"][narrow]["tuner"]["buckets"][0]["choices"]) == {"off", "tree-d2-k2-v3"}
+    # The tuner of --adaptive-tuner took its settings: three buckets, no row slope.
+    assert [b["bucket"] for b in record["rows"][tuned]["tuner"]["buckets"]] == ["1", "2-4", ">4"]
+    assert all(b["row_slope"] == 0 for b in record["rows"][tuned]["tuner"]["buckets"])
     assert "paired_vs_off" not in record["rows"]["tlt_off"]
-    for key in ("adaptive", "adaptive:off+tree-d2-k2-v3"):
+    for key in ("adaptive", "adaptive:off+tree-d2-k2-v3", "adaptive[buckets=1,4 row_slope=false]"):
         assert record["rows"][f"tlt_{key}"]["paired_vs_off"] == pytest.approx(  # one repeat: the plain ratio
             record["rows"]["tlt_off"]["wall_s"] / record["rows"][f"tlt_{key}"]["wall_s"])
         wall = record["rows"][f"tlt_{key}"]["wall_s"]
@@ -97,6 +100,18 @@ def test_adaptive_arms_are_checked_before_anything_runs():
         adaptive_arms("ngram-d4")
     with pytest.raises(ConfigError, match=r"--adaptive-arms 'off,tree-x'"):
         adaptive_arms("off,tree-x")
+
+
+def test_adaptive_tuner_settings_are_checked_before_anything_runs():
+    from tlt.adaptive.tuner import TunerConfig
+    from tlt.bench.rollout import adaptive_tuner
+    from tlt.errors import ConfigError
+
+    assert adaptive_tuner(" buckets=1,2,64  row_slope=false") == TunerConfig(buckets=(1, 2, 64), row_slope=False)
+    for text, message in (("buckets=4,2", "buckets.*strictly increasing"), ("epsilom=0.2", "did you mean 'epsilon'"),
+                          ("row_slope", "expected key=value"), ("  ", "one or more KEY=VALUE")):
+        with pytest.raises(ConfigError, match=rf"--adaptive-tuner '{text}'.*{message}"):
+            adaptive_tuner(text)
 
 
 def test_dtype_puts_every_system_in_that_dtype(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from tlt.adaptive import Tuner, TunerConfig
+from tlt.adaptive.tuner import row_slope
 from tlt.config import from_dict
 from tlt.errors import ConfigError
 from tlt.speculative import Strategy
@@ -222,6 +223,73 @@ def test_a_version_1_state_without_step_times_still_loads():
     assert all(not b["seconds"] for b in restored.state_dict()["buckets"])
 
 
+def test_a_version_2_state_without_batch_sizes_still_loads():
+    tuner, rng = Tuner(TunerConfig(arms=ARMS)), random.Random(4)
+    run(tuner, 8, MEANS[8], 50, rng)
+    state = json.loads(json.dumps(tuner.state_dict()))
+    old = {**state, "version": 2, "buckets": [
+        {**{k: v for k, v in b.items() if k != "slope"}, "windows": {a: [w[:2] for w in ws] for a, ws in b["windows"].items()}}
+        for b in state["buckets"]]}
+    restored = Tuner.from_state_dict(old)
+    assert restored.stats() == tuner.stats()  # one batch size: no slope to lose
+    assert all(rows is None for w in restored.state_dict()["buckets"][tuner.bucket_of(8)]["windows"].values()
+               for _, _, rows in w)
+    assert run(restored, 8, MEANS[8], 40, random.Random(5)) == run(tuner, 8, MEANS[8], 40, random.Random(5))
+
+
+def falling_rows(tuner: Tuner, better: float, seed: int, rollouts: int = 6, steps: int = 300) -> list[str]:
+    """Rollouts whose live rows fall from 128 to 33 (the open bucket of the default bounds), as rows end;
+    every arm's tokens/s grows as rows ** 0.7 and tree-d4-k2-v8 earns `better` x off's at any row count.
+    Returns the choices after the first two rollouts."""
+    rng, late = random.Random(seed), []
+    for r in range(rollouts):
+        for k in range(steps):
+            rows = round(128 - (128 - 33) * k / (steps - 1))
+            arm = tuner.choose(rows)
+            mean = 10 * rows ** 0.7 * (better if arm.name != "off" else 1.0)
+            tuner.update(rows, arm, noisy(rng, mean, 0.15))
+            if r >= 2:
+                late.append(arm.name)
+    return late
+
+
+def test_a_bucket_ranks_its_arms_as_at_one_batch_size_while_rows_fall():
+    """Raw rewards of a bucket whose rows fall favour whichever arm was measured at more rows, so the
+    greedy choice flips between arms (decay keeps the greedy arm's recent, low-row rewards and an
+    explored arm's older, high-row ones); moved along the fitted row slope, the better arm holds."""
+    arms = ("off", "tree-d4-k2-v8")
+    for seed in (0, 1, 2):
+        raw = falling_rows(Tuner(TunerConfig(arms=arms, row_slope=False)), 1.2, seed)
+        tuner = Tuner(TunerConfig(arms=arms))
+        adjusted = falling_rows(tuner, 1.2, seed)
+        assert adjusted.count("tree-d4-k2-v8") / len(adjusted) >= 0.9, seed
+        if seed < 2:  # the scenario fools raw rewards (seeds 0 and 1: 26% and 55% on the better arm)
+            assert raw.count("tree-d4-k2-v8") / len(raw) < 0.7, seed
+        stats = tuner.stats()["buckets"][-1]
+        assert stats["bucket"] == ">32" and stats["row_slope"] == pytest.approx(0.7, abs=0.1)
+        # medians are as at the bucket's smallest batch size, 33 rows (raw rewards span 33-128 rows)
+        assert stats["median"]["off"] == pytest.approx(10 * 33 ** 0.7, rel=0.06)
+        assert stats["median"]["tree-d4-k2-v8"] == pytest.approx(1.2 * 10 * 33 ** 0.7, rel=0.06)
+    state = json.loads(json.dumps(tuner.state_dict()))
+    restored = Tuner.from_state_dict(state)
+    assert restored.stats() == tuner.stats()
+    assert falling_rows(restored, 1.2, 9, rollouts=3) == falling_rows(tuner, 1.2, 9, rollouts=3)
+
+
+def test_row_slope_pools_within_arms_and_clamps():
+    def logs(c, exponent, sizes):  # an arm's (log reward, log rows) with reward c * rows ** exponent
+        return [(math.log(c) + exponent * math.log(b), math.log(b)) for b in sizes]
+
+    # arm A measured at many rows, B (twice as fast) at few: pooled over both without centring each, the
+    # slope would come out negative (B's high rewards at small sizes); within arms it is the true 0.6
+    a, b = logs(1.0, 0.6, [100, 110, 120, 128]), logs(2.0, 0.6, [33, 40, 50])
+    assert row_slope([a, b]) == pytest.approx(0.6)
+    assert row_slope([logs(1.0, 1.5, [40, 80])]) == 1.0 and row_slope([logs(1.0, -0.3, [40, 80])]) == 0.0
+    assert row_slope([logs(1.0, 0.6, [8, 8, 8]), logs(3.0, 0.6, [5])]) == 0.0  # no spread within an arm
+    noise = [(-math.inf, math.log(64)), (2.0, None)]  # a reward of 0, an entry without a batch size
+    assert row_slope([a + noise, b]) == pytest.approx(0.6)
+
+
 def test_load_state_dict_rejects_another_config():
     state = Tuner(TunerConfig(arms=ARMS, epsilon=0.2)).state_dict()
     with pytest.raises(ConfigError, match="epsilon"):
@@ -283,7 +351,7 @@ def test_update_rejects_bad_input():
     ("arms", ("chain-d3",)), ("arms", ("off", "off")), ("epsilon", 1.5), ("epsilon", -0.1),
     ("window", 0), ("window", 2.5), ("decay", 0.0), ("decay", 1.2), ("decay", float("nan")),
     ("seed", "x"), ("seed", True), ("prune_after", 0), ("prune_ratio", 1.0), ("prune_ratio", -0.5),
-    ("explore", "greedy"),
+    ("explore", "greedy"), ("row_slope", "yes"), ("row_slope", 1),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises(ConfigError, match=field):
@@ -291,8 +359,9 @@ def test_config_rejects_bad_fields_naming_them(field, value):
 
 
 def test_config_from_dict_coerces_and_rejects_unknown_keys():
-    config = from_dict(TunerConfig, {"buckets": "1,4,16", "arms": "off,chain-d3", "decay": "1", "seed": "none"})
-    assert config == TunerConfig(buckets=(1, 4, 16), arms=("off", "chain-d3"), decay=1.0, seed=None)
+    config = from_dict(TunerConfig, {"buckets": "1,4,16", "arms": "off,chain-d3", "decay": "1", "seed": "none",
+                                     "row_slope": "false"})
+    assert config == TunerConfig(buckets=(1, 4, 16), arms=("off", "chain-d3"), decay=1.0, seed=None, row_slope=False)
     assert TunerConfig(arms=ARMS, buckets=[1, 4]).buckets == (1, 4)
     with pytest.raises(ConfigError, match="epsilom"):
         from_dict(TunerConfig, {"epsilom": 0.1})

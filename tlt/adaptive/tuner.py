@@ -30,6 +30,17 @@ The reward of a step is accepted tokens per second (tokens emitted / step time).
 median of the last `window` rewards it earned in that bucket: step times are heavy-tailed (a step
 that also prefills, an allocator pause), and a median shrugs them off where a mean would not.
 
+Rows within a bucket (`row_slope`). A bucket spans a range of live batch sizes (33-128 rows in the open
+bucket of a 16 x 8 rollout), and a step's tokens per second grow with its rows whatever the arm, while a
+rollout's rows only fall as responses end. Raw rewards would then compare an arm explored early, at many
+rows, with one run late, at few, and favour whichever was measured earlier. So every reward is stored
+with its batch size, and each bucket fits one slope of log reward on log batch size, pooled over its
+arms' windows (each arm about its own means, so a difference between arms does not count as a slope;
+clamped to [0, 1]: more rows never cost throughput, nor speed a step up), refitted every `SLOPE_EVERY`
+rewards. Medians are taken over rewards moved along that slope to the bucket's smallest batch size, so
+arms are ranked, pruned and reported as at one batch size. With one batch size per bucket (or
+row_slope=False) the slope is 0 and scores are the plain medians.
+
 Forgetting (`decay`). The drafter is retrained between RL steps, so what an arm earns drifts, mostly
 upward. Two mechanisms follow it:
 - The window: rewards older than the last `window` samples of an arm drop out.
@@ -90,9 +101,10 @@ from tlt.speculative.strategy import Strategy
 # for cold start and for the loops a sampled policy falls into.
 DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d8-k2-v12")
 
-STATE_VERSION = 2  # version-1 states hold no step times and load with none
+STATE_VERSION = 3  # version 1 holds no step times, versions 1-2 no batch sizes; both load without them
 EXPLORE = ("cost", "uniform")
 STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
+SLOPE_EVERY = 32  # rewards a bucket records between fits of its row slope (a fit reads every window)
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,8 @@ class TunerConfig:
     prune_after: int = setting(20, "rewards an arm and the best need before the arm can be pruned")
     prune_ratio: float = setting(0.5, "an arm below this fraction of the best's median is pruned (0: never)")
     explore: str = setting("cost", "how exploration draws are weighed: cost (by step time) or uniform")
+    row_slope: bool = setting(True, "rank a bucket's arms as at one batch size, by a fitted slope of log reward "
+                                    "on log live rows (false: raw rewards)")
 
     def __post_init__(self) -> None:
         for name in ("buckets", "arms"):
@@ -137,6 +151,7 @@ class TunerConfig:
         check_int(self, "prune_after", 1)
         check(self, "prune_ratio", 0 <= self.prune_ratio < 1, "in [0, 1)")
         check_choice(self, "explore", EXPLORE)
+        check(self, "row_slope", isinstance(self.row_slope, bool), "true or false")
 
 
 def _check_measure(name: str, value) -> None:
@@ -155,26 +170,51 @@ def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
     return (lower + upper) / 2
 
 
-def decayed_median(window: Sequence[tuple[int, float]], decay: float) -> float:
-    """Weighted median of (stamp, reward) pairs, weight decay ** (newest stamp - stamp)."""
-    rewards = [r for _, r in window]
+def decayed_median(stamps: Sequence[int], values: Sequence[float], decay: float) -> float:
+    """Weighted median of `values`, weight decay ** (newest stamp - stamp)."""
     if decay == 1:
-        return statistics.median(rewards)
-    newest = window[-1][0]
-    return weighted_median(rewards, [decay ** (newest - s) for s, _ in window])
+        return statistics.median(values)
+    newest = stamps[-1]
+    return weighted_median(values, [decay ** (newest - s) for s in stamps])
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
+def row_slope(groups: Sequence[Sequence[tuple[float, float | None]]]) -> float:
+    """The slope of y on x over groups of (y, x) points (an arm's (log reward, log batch size)), pooled
+    within groups (each about its own means), clamped to [0, 1]; 0 when no group spans two x. Points
+    with y = -inf (a reward of 0) or x = None (no batch size recorded) do not count."""
+    num = den = 0.0
+    for group in groups:
+        points = [(x, y) for y, x in group if x is not None and y > -math.inf]
+        if len(points) < 2:
+            continue
+        mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+        num += sum((x - mx) * (y - my) for x, y in points)
+        den += sum((x - mx) ** 2 for x, _ in points)
+    return min(1.0, max(0.0, num / den)) if den > 1e-12 else 0.0
 
 
 class _Bucket:
     """One bandit: per-arm reward windows, counters and pruning records for one batch-size bucket."""
 
-    def __init__(self, arms: Sequence[Strategy], window: int) -> None:
+    def __init__(self, arms: Sequence[Strategy], window: int, low: int) -> None:
+        self.low = low  # its smallest batch size, where adjusted rewards are moved to
         self.clock = 0  # rewards recorded in this bucket; the stamp of the next one
+        self.slope = 0.0  # of log reward on log rows, refitted every SLOPE_EVERY rewards (row_slope)
         self.explored = 0  # choices made by the epsilon branch
         self.choices = {a: 0 for a in arms}
-        self.windows = {a: deque(maxlen=window) for a in arms}  # arm -> deque of (stamp, reward)
+        self.windows = {a: deque(maxlen=window) for a in arms}  # arm -> deque of (stamp, reward, rows)
+        self.logs = {a: deque(maxlen=window) for a in arms}  # arm -> (log reward, log rows or None), as windows
         self.pruned: dict[Strategy, dict] = {}
         self.seconds = {a: deque(maxlen=STEP_TIMES) for a in arms}  # arm -> recent step times
         self.summaries: dict[Strategy, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
+
+    def record(self, arm: Strategy, stamp: int, reward: float, rows: int | None) -> None:
+        self.windows[arm].append((stamp, reward, rows))
+        self.logs[arm].append((_log(reward), math.log(rows) if rows else None))
 
 
 class Tuner:
@@ -185,7 +225,10 @@ class Tuner:
         self.arms = tuple(Strategy.parse(name) for name in self.config.arms)
         self.log = log or (lambda message: None)
         self._rng = random.Random(self.config.seed)
-        self._buckets = [_Bucket(self.arms, self.config.window) for _ in range(len(self.config.buckets) + 1)]
+        self._buckets = [self._bucket(i) for i in range(len(self.config.buckets) + 1)]
+
+    def _bucket(self, i: int) -> _Bucket:
+        return _Bucket(self.arms, self.config.window, self.config.buckets[i - 1] + 1 if i else 1)
 
     # --- the bandit --------------------------------------------------------------------------------
     def bucket_of(self, batch_size: int) -> int:
@@ -239,11 +282,16 @@ class Tuner:
             _check_measure("seconds", seconds)
         i = self.bucket_of(batch_size)
         bucket = self._buckets[i]
-        bucket.windows[arm].append((bucket.clock, float(reward)))
+        bucket.record(arm, bucket.clock, float(reward), batch_size)
         if seconds is not None:
             bucket.seconds[arm].append(float(seconds))
         bucket.clock += 1
         bucket.summaries.pop(arm, None)
+        if self.config.row_slope and bucket.clock % SLOPE_EVERY == 0:
+            slope = row_slope(list(bucket.logs.values()))
+            if slope != bucket.slope:
+                bucket.slope = slope
+                bucket.summaries.clear()  # every arm's adjusted rewards moved
         self._prune(i)
 
     def best(self, batch_size: int) -> Strategy | None:
@@ -261,10 +309,18 @@ class Tuner:
         return self._summary(bucket, arm)[1]
 
     def _summary(self, bucket: _Bucket, arm: Strategy) -> tuple[float, float]:
+        """(decayed median, plain median) of the arm's rewards, moved along the bucket's row slope to its
+        smallest batch size; medians of log rewards, as the move is a shift in logs (exp of a log median is
+        the median)."""
         if arm not in bucket.summaries:
-            window = bucket.windows[arm]
-            rewards = [r for _, r in window]
-            bucket.summaries[arm] = (decayed_median(window, self.config.decay), statistics.median(rewards))
+            stamps = [s for s, _, _ in bucket.windows[arm]]
+            if bucket.slope:
+                slope, base = bucket.slope, math.log(bucket.low)
+                values = [y if x is None else y - slope * (x - base) for y, x in bucket.logs[arm]]
+            else:
+                values = [y for y, _ in bucket.logs[arm]]
+            bucket.summaries[arm] = (math.exp(decayed_median(stamps, values, self.config.decay)),
+                                     math.exp(statistics.median(values)))
         return bucket.summaries[arm]
 
     def _greedy(self, bucket: _Bucket, arms: list[Strategy]) -> Strategy:
@@ -313,8 +369,9 @@ class Tuner:
 
     def stats(self) -> dict:
         """Per bucket (list index = bucket index): choice counts, explorations, window sizes, plain and
-        decayed medians (the latter is what the greedy choice ranks), the greedy arm, and the pruned arms
-        with why they were pruned."""
+        decayed medians (the latter is what the greedy choice ranks; both as at the bucket's smallest batch
+        size, moved along its row slope), the slope, the greedy arm, and the pruned arms with why they were
+        pruned."""
         out = []
         for i, bucket in enumerate(self._buckets):
             tried = [a for a in self.arms if bucket.windows[a]]
@@ -327,6 +384,7 @@ class Tuner:
                 "samples": {a.name: len(bucket.windows[a]) for a in tried},
                 "median": {a.name: self._median(bucket, a) for a in tried},
                 "score": {a.name: self._score(bucket, a) for a in tried},
+                "row_slope": bucket.slope,
                 "best": best.name if best is not None else None,
                 "pruned": {a.name: dict(r) for a, r in bucket.pruned.items()},
             })
@@ -341,9 +399,10 @@ class Tuner:
             "rng": [version, list(internal), gauss],
             "buckets": [{
                 "clock": b.clock,
+                "slope": b.slope,
                 "explored": b.explored,
                 "choices": {a.name: n for a, n in b.choices.items()},
-                "windows": {a.name: [[s, r] for s, r in w] for a, w in b.windows.items() if w},
+                "windows": {a.name: [list(entry) for entry in w] for a, w in b.windows.items() if w},
                 "seconds": {a.name: list(t) for a, t in b.seconds.items() if t},
                 "pruned": {a.name: dict(r) for a, r in b.pruned.items()},
             } for b in self._buckets],
@@ -361,12 +420,14 @@ class Tuner:
             raise ConfigError(f"tuner state has {len(state['buckets'])} buckets, expected {len(self._buckets)}")
         by_name = {a.name: a for a in self.arms}
         buckets = []
-        for saved_bucket in state["buckets"]:
-            bucket = _Bucket(self.arms, self.config.window)
+        for i, saved_bucket in enumerate(state["buckets"]):
+            bucket = self._bucket(i)
             bucket.clock, bucket.explored = int(saved_bucket["clock"]), int(saved_bucket["explored"])
+            bucket.slope = float(saved_bucket.get("slope", 0.0))
             bucket.choices.update({by_name[a]: int(n) for a, n in saved_bucket["choices"].items()})
             for name, window in saved_bucket["windows"].items():
-                bucket.windows[by_name[name]].extend((int(s), float(r)) for s, r in window)
+                for s, r, *rest in window:  # versions 1-2: (stamp, reward), no batch size
+                    bucket.record(by_name[name], int(s), float(r), int(rest[0]) if rest else None)
             bucket.pruned = {by_name[a]: dict(r) for a, r in saved_bucket["pruned"].items()}
             for name, times in saved_bucket.get("seconds", {}).items():
                 bucket.seconds[by_name[name]].extend(float(t) for t in times)
@@ -384,6 +445,6 @@ class Tuner:
 
     @staticmethod
     def _config_of(state: dict) -> TunerConfig:
-        if state.get("version") not in (1, STATE_VERSION):
-            raise ConfigError(f"tuner state version {state.get('version')!r} is not {STATE_VERSION} (or 1)")
+        if state.get("version") not in (1, 2, STATE_VERSION):
+            raise ConfigError(f"tuner state version {state.get('version')!r} is not {STATE_VERSION} (or 1-2)")
         return from_dict(TunerConfig, state["config"], source="tuner state")

@@ -24,7 +24,8 @@ system's warm-up is one prompt's first WARMUP_TOKENS tokens).
 (beside `--plot`, its name + `_strategy`) shows which strategy the adaptive engine ran at each live
 batch size. Each `--adaptive-arms A,B,...` adds an adaptive engine whose tuner competes over those
 arms only (`tlt_adaptive:A+B+...`), to choose a workload's arm set by measurement: its ratios are
-`adaptive:A+B+..._vs_off` and `_vs_best_fixed`.
+`adaptive:A+B+..._vs_off` and `_vs_best_fixed`. Each `--adaptive-tuner 'KEY=VALUE ...'` adds one whose
+tuner takes those settings (`tlt_adaptive[KEY=VALUE ...]`), to compare tuner settings side by side.
 
 Where the time goes: each tlt system's decode steps are split by live batch size into the tuner's
 buckets: `bucket_seconds` and `bucket_tokens_per_s` (tokens emitted per second of those steps), medians
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="run the adaptive engine too")
     parser.add_argument("--adaptive-arms", action="append", default=[], metavar="A,B,...",
                         help="also run an adaptive engine over these tuner arms only ('off' must be one); repeatable")
+    parser.add_argument("--adaptive-tuner", action="append", default=[], metavar="'KEY=VALUE ...'",
+                        help="also run an adaptive engine whose tuner takes these settings (space-separated; the keys "
+                             "of tuner.* in a GRPO config, e.g. 'buckets=1,2,4,8,16,32 row_slope=false'); repeatable")
     parser.add_argument("--drafter-windows", default="", metavar="W,...",
                         help="drafter attention windows (auto, the default: a quarter of the window the drafter was trained "
                              "over; 0: the whole context; EngineConfig.drafter_window): with one, "
@@ -143,6 +147,19 @@ def adaptive_arms(text: str) -> tuple[str, ...]:
     except ConfigError as exc:
         raise ConfigError(f"--adaptive-arms {text!r}: {exc}") from None
     return arms
+
+
+def adaptive_tuner(text: str):
+    """The TunerConfig of one `--adaptive-tuner` value: the defaults with its KEY=VALUE settings."""
+    from tlt.adaptive.tuner import TunerConfig
+    from tlt.config import from_dict, parse_overrides
+    from tlt.errors import ConfigError
+
+    source = f"--adaptive-tuner {text!r}"
+    settings = parse_overrides(text.split(), source)
+    if not settings:
+        raise ConfigError(f"{source}: expected one or more KEY=VALUE settings of the tuner")
+    return from_dict(TunerConfig, settings, source=source)
 
 
 def fixed_strategies(text: str) -> list[str]:
@@ -285,6 +302,11 @@ def run(args: argparse.Namespace) -> int:
     from tlt.tokenizer import load_tokenizer
 
     arm_sets = [adaptive_arms(text) for text in args.adaptive_arms]  # refused before anything loads
+    tuners = {f"{ADAPTIVE}[{' '.join(text.split())}]": adaptive_tuner(text) for text in args.adaptive_tuner}
+    if len(tuners) < len(args.adaptive_tuner):
+        from tlt.errors import ConfigError
+
+        raise ConfigError(f"--adaptive-tuner: a setting is listed twice in {args.adaptive_tuner}")
     windows = drafter_windows(args.drafter_windows)
     fill_workload_defaults(args)
     strategies = fixed_strategies(args.strategies)
@@ -303,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = workload(args, tokenizer)
     # Fixed systems take (repeat, args, prompts): their warm-up is a short rollout of one prompt.
     systems = {"tlt_off": lambda r, a=args, p=prompts: run_tlt(model, p, a, r)}
-    drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive or arm_sets else None
+    drafter = Drafter.load(args.drafter, model) if strategies or args.adaptive or arm_sets or tuners else None
     for name in strategies:
         variants = windows if len(windows) > 1 and Strategy.parse(name).uses_drafter else windows[:1]
         for window in variants:
@@ -312,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
             systems[label] = lambda r, a=args, p=prompts, config=config: run_tlt(model, p, a, r, config)
     adaptive = dict(([(ADAPTIVE, TunerConfig())] if args.adaptive else []) +
                     [(f"{ADAPTIVE}:{'+'.join(arms)}", TunerConfig(arms=arms)) for arms in arm_sets])  # name -> tuner
+    adaptive.update(tuners)
     for name, tuner in adaptive.items():
         config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner, drafter_window=windows[0])
         systems[name] = carried_tuner(lambda r, state, config=config: run_tlt(model, prompts, args, r, config, state))
