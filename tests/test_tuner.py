@@ -46,10 +46,12 @@ def run(tuner: Tuner, batch_size: int, means: dict, steps: int, rng: random.Rand
 
 
 def test_bucket_of_uses_upper_bounds_and_an_open_last_bucket():
-    tuner = Tuner(TunerConfig(arms=ARMS))
+    tuner = Tuner(TunerConfig(arms=ARMS, buckets=(1, 2, 4, 8, 16, 32)))
     sizes = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 1000]
     assert [tuner.bucket_of(b) for b in sizes] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
     assert [tuner.label(i) for i in range(7)] == ["1", "2", "3-4", "5-8", "9-16", "17-32", ">32"]
+    default = Tuner(TunerConfig(arms=ARMS))  # powers of two to 256
+    assert [default.label(i) for i in (6, 7, 8, 9)] == ["33-64", "65-128", "129-256", ">256"]
     with pytest.raises(ValueError, match="batch_size"):
         tuner.bucket_of(0)
 
@@ -238,7 +240,7 @@ def test_a_version_2_state_without_batch_sizes_still_loads():
 
 
 def falling_rows(tuner: Tuner, better: float, seed: int, rollouts: int = 6, steps: int = 300) -> list[str]:
-    """Rollouts whose live rows fall from 128 to 33 (the open bucket of the default bounds), as rows end;
+    """Rollouts whose live rows fall from 128 to 33 (the open bucket of bounds up to 32), as rows end;
     every arm's tokens/s grows as rows ** 0.7 and tree-d4-k2-v8 earns `better` x off's at any row count.
     Returns the choices after the first two rollouts."""
     rng, late = random.Random(seed), []
@@ -259,8 +261,8 @@ def test_a_bucket_ranks_its_arms_as_at_one_batch_size_while_rows_fall():
     explored arm's older, high-row ones); moved along the fitted row slope, the better arm holds."""
     arms = ("off", "tree-d4-k2-v8")
     for seed in (0, 1, 2):
-        raw = falling_rows(Tuner(TunerConfig(arms=arms, row_slope=False)), 1.2, seed)
-        tuner = Tuner(TunerConfig(arms=arms))
+        raw = falling_rows(Tuner(TunerConfig(arms=arms, buckets=(1, 2, 4, 8, 16, 32), row_slope=False)), 1.2, seed)
+        tuner = Tuner(TunerConfig(arms=arms, buckets=(1, 2, 4, 8, 16, 32)))
         adjusted = falling_rows(tuner, 1.2, seed)
         assert adjusted.count("tree-d4-k2-v8") / len(adjusted) >= 0.9, seed
         if seed < 2:  # the scenario fools raw rewards (seeds 0 and 1: 26% and 55% on the better arm)

@@ -5,7 +5,10 @@ Arms are `Strategy` objects, named in the config ("off", "ngram-d4", "tree-d6-k4
 the live batch size: verifying 48 tree nodes per row is nearly free at batch 1 and ruinous at batch 64.
 So the tuner keeps one independent bandit per batch-size bucket. `buckets` are upper bounds: a batch
 of size b falls in the first bucket whose bound is >= b, and one open bucket past the last bound
-catches everything larger. (1, 2, 4, 8, 16, 32) gives buckets 1 | 2 | 3-4 | 5-8 | 9-16 | 17-32 | >32.
+catches everything larger. The default, powers of two to 256, gives buckets 1 | 2 | 3-4 | 5-8 | ... |
+129-256 | >256: no bucket but the open one spans more than twice its smallest batch size, as the arm that
+wins changes within such a span (the bench policy's 16 x 8 rollout: trees win up to about 40 live rows,
+plain decoding from about 64).
 
 Inside a bucket, `choose` is epsilon-greedy:
 1. Untried arms first, in config order (an untried arm scores +inf), so every arm is measured once
@@ -30,8 +33,8 @@ The reward of a step is accepted tokens per second (tokens emitted / step time).
 median of the last `window` rewards it earned in that bucket: step times are heavy-tailed (a step
 that also prefills, an allocator pause), and a median shrugs them off where a mean would not.
 
-Rows within a bucket (`row_slope`). A bucket spans a range of live batch sizes (33-128 rows in the open
-bucket of a 16 x 8 rollout), and a step's tokens per second grow with its rows whatever the arm, while a
+Rows within a bucket (`row_slope`). A bucket spans a range of live batch sizes (65-128 rows at the start
+of a 16 x 8 rollout), and a step's tokens per second grow with its rows whatever the arm, while a
 rollout's rows only fall as responses end. Raw rewards would then compare an arm explored early, at many
 rows, with one run late, at few, and favour whichever was measured earlier. So every reward is stored
 with its batch size, and each bucket fits one slope of log reward on log batch size, pooled over its
@@ -109,7 +112,8 @@ SLOPE_EVERY = 32  # rewards a bucket records between fits of its row slope (a fi
 
 @dataclass(frozen=True)
 class TunerConfig:
-    buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32), "batch-size bucket bounds, each bucket its own bandit")
+    buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64, 128, 256),
+                                       "batch-size bucket bounds, each bucket its own bandit")
     arms: tuple[str, ...] = setting(DEFAULT_ARMS, "the strategies it picks from, 'off' among them")
     epsilon: float = setting(0.1, "probability of an exploration draw")
     window: int = setting(300, "rewards per arm and bucket the score is the median of")
