@@ -430,8 +430,8 @@ class Tuner:
             bucket.slope = float(saved_bucket.get("slope", 0.0))
             bucket.choices.update({by_name[a]: int(n) for a, n in saved_bucket["choices"].items()})
             for name, window in saved_bucket["windows"].items():
-                for s, r, *rest in window:  # versions 1-2: (stamp, reward), no batch size
-                    bucket.record(by_name[name], int(s), float(r), int(rest[0]) if rest else None)
+                for s, r, *rows in window:  # versions 1-2: (stamp, reward), no batch size
+                    bucket.record(by_name[name], int(s), float(r), int(rows[0]) if rows and rows[0] is not None else None)
             bucket.pruned = {by_name[a]: dict(r) for a, r in saved_bucket["pruned"].items()}
             for name, times in saved_bucket.get("seconds", {}).items():
                 bucket.seconds[by_name[name]].extend(float(t) for t in times)
