@@ -57,7 +57,7 @@ about (arms / epsilon) steps apart, so its next exploration sample outweighs its
 arm that was poor under last step's drafter is re-judged on fresh evidence instead of having to
 re-fill half its window at the exploration rate first. Weights only matter relative to each other
 (the median is unchanged when all weights are scaled), so an arm's score changes only when its own
-window does, and is cached.
+window does (or the bucket's row slope), and is cached.
 
 Pruning. Once an arm and the bucket's best arm both have at least `prune_after` rewards in their
 windows, an arm whose plain window median is below `prune_ratio` x the best plain median is pruned
