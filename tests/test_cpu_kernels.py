@@ -30,10 +30,11 @@ def bf16(*shape, seed=0):
 
 @needs_kernels
 @pytest.mark.parametrize("M,K,N", [(1, 64, 64), (5, 48, 100), (6, 128, 130), (7, 96, 1), (13, 64, 33), (49, 64, 200),
-                                   (100, 32, 64)])
+                                   (100, 32, 64), (40, 1024, 64), (150, 768, 40)])
 def test_linear_matches_float32_and_rows_do_not_depend_on_the_row_count(M, K, N):
     """Shapes around the kernel's blocks (up to 12 rows per register block, split evenly; 48 rows per
-    task; 32 columns per weight group): within bf16 rounding of the float32 product, and every row bit for bit the same
+    task; 32 columns per weight group; on AMX tiles 16-row blocks, 128 rows per task, k in slices of 256, a
+    partial last block padded): within bf16 rounding of the float32 product, and every row bit for bit the same
     whether multiplied alone or with the others."""
     x, w, residual = bf16(M, K, seed=1), bf16(N, K, seed=2), bf16(M, N, seed=3)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(4))
