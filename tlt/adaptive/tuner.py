@@ -98,7 +98,7 @@ from tlt.speculative.strategy import Strategy
 # they stay available as arms. The trees cover the batch sizes where drafting pays: the deep
 # tree-d8-k2-v12 where a drafter trained on its own features keeps whole chains right (the bench
 # policy's 16 x 8 rollout: acceptance 6.65, best at 1-32 live rows but one bucket, the tuner 1.39x plain
-# decoding against 1.34x with tree-d4-k4-v16 in its place, docs/results/bench_rollout.json),
+# decoding against 1.34x with tree-d4-k4-v16 in its place, docs/results/bench_rollout_amx_arms.json),
 # tree-d4-k2-v8 where it does not; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4 at less cost;
 # off wins at large batch (`tlt bench speculative --strategies ...` compares shapes). n-gram drafting stays
 # for cold start and for the loops a sampled policy falls into.
