@@ -173,21 +173,6 @@ TARGET_AMX void amx_configure(int64_t R) {
   tile_configure(rows, colsb);
 }
 
-// acc_out[r][c] for R (<= 16, the configured count) rows x one group; pairs a multiple of 16
-TARGET_AMX void amx_block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, float* acc_out) {
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t p = 0; p < pairs; p += 16) {
-    _tile_loadd(2, x + 2 * p, x_stride * 2);
-    _tile_loadd(3, w + p * GROUP * 2, GROUP * 4);
-    _tile_loadd(4, w + p * GROUP * 2 + 32, GROUP * 4);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
-  }
-  _tile_stored(0, acc_out, GROUP * 4);
-  _tile_stored(1, acc_out + 16, GROUP * 4);
-}
-
 TARGET_AMX void amx_release() { _tile_release(); }
 
 constexpr int64_t AMX_ROWS = 16;
@@ -200,16 +185,10 @@ constexpr int64_t AMX_CHUNK = 128;  // rows per task on tiles: a k-slice of the 
 constexpr int64_t AMX_SLICE = 8;    // k-steps of 32 per slice: 16 KB of the group's B tiles, kept in L1 across blocks
 constexpr int AMX_PF = 4;           // lines of the next slice's B prefetched to L1 per k-step of each block's pass
 
-// tiles 0-7 all 16 rows x 64 bytes (0, 1: C; 4: A; 6, 7: B); a partial row block reads a zero-padded copy
-TARGET_AMX void amx_configure16() {
-  uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-  uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
-  tile_configure(rows, colsb);
-}
-
-// 16 rows x one group over `steps` k-steps of 32 from where x and w point; C starts at zero (first) or from c,
-// and goes back to c (row stride GROUP floats): storing and reloading a C tile is exact, so the k-steps still sum
-// into one float32 accumulator per element in increasing order. pf: lines to prefetch (AMX_PF a step) or null.
+// The configured rows (<= 16) x one group over `steps` k-steps of 32 from where x and w point (tiles as
+// amx_configure sets them); C starts at zero (first) or from c, and goes back to c (row stride GROUP floats):
+// storing and reloading a C tile is exact, so the k-steps still sum into one float32 accumulator per element in
+// increasing order. pf: lines to prefetch (AMX_PF a step) or null.
 TARGET_AMX void amx_slice(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t steps, float* c, bool first,
                           const char* pf) {
   if (first) {
@@ -222,14 +201,19 @@ TARGET_AMX void amx_slice(const uint16_t* x, int64_t x_stride, const uint16_t* w
   for (int64_t s = 0; s < steps; ++s) {
     if (pf)
       for (int i = 0; i < AMX_PF; ++i) _mm_prefetch(pf + (s * AMX_PF + i) * 64, _MM_HINT_T0);
-    _tile_loadd(4, x + 32 * s, x_stride * 2);
-    _tile_loadd(6, w + s * 16 * GROUP * 2, GROUP * 4);
-    _tile_loadd(7, w + s * 16 * GROUP * 2 + 32, GROUP * 4);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(2, x + 32 * s, x_stride * 2);
+    _tile_loadd(3, w + s * 16 * GROUP * 2, GROUP * 4);
+    _tile_loadd(4, w + s * 16 * GROUP * 2 + 32, GROUP * 4);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
   }
   _tile_stored(0, c, GROUP * 4);
   _tile_stored(1, c + 16, GROUP * 4);
+}
+
+// acc_out[r][c] for the configured rows x one group, the whole of K (pairs a multiple of 16) in one pass
+TARGET_AMX void amx_block(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, float* acc_out) {
+  amx_slice(x, x_stride, w, pairs / 16, acc_out, true, nullptr);
 }
 
 // Whether this process may run AMX: the CPU has AMX-BF16 and AMX-TILE, and Linux granted the tile state
@@ -910,7 +894,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     for (int64_t r = 0; r < (xt.empty() ? 0 : tail); ++r) std::memcpy(xt.data() + r * K, xp + (M - tail + r) * xs, K * 2);
     at::parallel_for(0, groups * amx_chunks, 1, [&](int64_t t0, int64_t t1) {
       alignas(64) float acc[AMX_CHUNK * GROUP];
-      int64_t configured = 0;  // rows of the one-block configuration, -1 for amx_configure16, 0 none
+      int64_t configured = 0;  // rows the tiles are configured for, 0 none
       for (int64_t t = t0; t < t1; ++t) {
         int64_t g = t / amx_chunks, m_start = (t % amx_chunks) * AMX_CHUNK, m_end = std::min(M, m_start + AMX_CHUNK);
         int64_t cols = std::min(GROUP, N - g * GROUP), blocks = (m_end - m_start + 15) / 16;
@@ -920,7 +904,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
           if (rows != configured) amx_configure(configured = rows);
           amx_block(xp + m_start * xs, xs, wg, pairs, acc);
         } else {
-          if (configured != -1) amx_configure16(), configured = -1;
+          if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
           for (int64_t s0 = 0; s0 < steps; s0 += AMX_SLICE) {
             int64_t n = std::min(AMX_SLICE, steps - s0);
             const uint16_t* ws = wg + s0 * 16 * GROUP * 2;
