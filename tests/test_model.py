@@ -355,6 +355,35 @@ def test_rows_dropped_in_place_keep_the_same_slots_and_free_their_memory_at_the_
         assert torch.equal(logical_store(joined[0])[:, b, :, :n], logical_store(joined[1])[:, b, :, :n])
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_rows_filled_from_the_tail_move_in_place_and_keep_the_capacity(paired):
+    """Finished rows' places taken by the last rows (`fill_from_tail`): only those rows move, in place;
+    every kept row holds what it held; the capacity and the memory stay until the next growth, so the
+    next write does not reallocate."""
+    from tlt.rollout.batch import fill_from_tail
+
+    L, B, H, D = 2, 6, 2, 4
+    dtype = torch.bfloat16 if paired else torch.float32
+    cache = KVCache(L, B, H, D, dtype=dtype, block=8)
+    cache.reserve(24)
+    cache.store.normal_(generator=torch.Generator().manual_seed(6))
+    cache.lengths = torch.tensor([7, 16, 3, 12, 5, 9])
+    before, held, storage = logical_store(cache).clone(), cache.nbytes(), cache.store.data_ptr()
+    rows = fill_from_tail([True, False, True, False, True, True])  # rows 1 and 3 finished
+    assert rows == [0, 4, 2, 5]
+    cache.select_rows(rows)
+    assert cache.lengths.tolist() == [7, 5, 3, 9] and cache.capacity == 24
+    assert cache.nbytes() == held and cache.store.data_ptr() == storage  # in place
+    for new, old in enumerate(rows):
+        n = cache.lengths[new]
+        assert torch.equal(logical_store(cache)[:, new, :, :n], before[:, old, :, :n])
+    k, v = torch.randn(4, H, 1, D).to(dtype), torch.randn(4, H, 1, D).to(dtype)
+    cache.write(0, k, v)
+    assert cache.store.data_ptr() == storage  # room left: no reallocation
+    assert fill_from_tail([False, False, True]) == [2] and fill_from_tail([True, True]) == [0, 1]
+    assert fill_from_tail([False, True, False, True]) == [3, 1]
+
+
 def test_cache_grows_geometrically():
     """A cache written one token at a time reallocates a logarithmic number of times (each growth copies
     the whole cache), never past a quarter more than it needs plus a block, and keeps what it held."""

@@ -299,3 +299,30 @@ def test_returned_layer_states_equal_a_full_forwards(strategy):
         assert c.layer_states.shape == (len(c.token_ids), 2, 32)
         for j, layer in enumerate((0, 1)):
             assert (c.layer_states[:, j] - full.layer_states[layer][0, span]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strategy", ["off", "tree-d4-k3-v10"])
+def test_rows_filling_finished_places_from_the_tail_change_no_sample(monkeypatch, strategy, dtype):
+    """When responses end, the engine moves the batch's last rows into their places instead of shifting
+    every row behind them: the samples are those of an order-keeping drop, token for token, under plain
+    decoding and target-only tree verification, in float32 and on tlt's bf16 kernels."""
+    import tlt.rollout.engine as engine_module
+
+    target = random_target(seed=8).to(dtype)
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5], [11, 12]]
+    params = [tlt.SamplingParams(n=3, temperature=1.0, max_tokens=m, seed=i, ignore_eos=True)
+              for i, m in enumerate([9, 30, 17])]  # staggered ends: rows die in the middle of the batch
+
+    def run():
+        if strategy == "off":
+            return tokens_of(tlt.RolloutEngine(target).generate(prompts, params))
+        return tokens_of(engine(target, strategy, Drafter.from_target(target, seed=9)).generate(prompts, params))
+
+    filled = run()
+    moves = []
+    original = engine_module.fill_from_tail
+    monkeypatch.setattr(engine_module, "fill_from_tail", lambda alive: moves.append(original(alive)) or
+                        [b for b, a in enumerate(alive) if a])  # the order-keeping drop
+    assert run() == filled
+    assert any(keep != sorted(keep) for keep in moves)  # the tail did move into earlier places

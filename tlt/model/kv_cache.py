@@ -286,22 +286,24 @@ class KVCache:
         return cpu_kernels.loaded()
 
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep (and reorder) the given rows. Most rows kept in order (finished rows leaving a large
-        batch): the rows behind the first dropped one move down in place and the dropped rows' memory
-        goes at the next growth, instead of the whole cache being copied into a fresh allocation each
-        time a row finishes (24 rows x 600 cached tokens of the bench policy: ~40 ms a copy). Otherwise
-        the kept rows are copied and the dropped rows' memory is released."""
+        """Keep (and reorder) the given rows. Where most rows stay and every row that moves comes from a
+        higher index (finished rows leaving a large batch, the rows behind them moving down or the last
+        ones filling their places), the moved rows are copied one by one in place, their live slots only,
+        and the dropped rows' memory goes at the next growth; the capacity stays, so the next write does
+        not reallocate. A copy of every kept row into a fresh allocation would cost the whole cache, twice
+        over, each time a row finishes (bench policy, 16 x 8 samples of up to 1,540 tokens: 14% of a
+        rollout under tree-d8-k2-v12). Otherwise (a reorder, a fork, few rows kept) the kept rows are
+        copied and the dropped rows' memory is released."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        n = rows.numel()
-        in_order = n < 2 or bool((rows[1:] > rows[:-1]).all())
+        n, index = rows.numel(), rows.tolist()
+        moves = [(i, r) for i, r in enumerate(index) if r != i]
         self.lengths = self.lengths[rows]
         fit = -(-self.max_length // self.block) * self.block
-        if in_order and 2 * n >= self._store.shape[1]:
-            moved = (rows != torch.arange(n, device=self.device)).nonzero()
-            if len(moved):
-                first = int(moved[0])
-                self._store[:, first:n] = self._store[:, rows[first:]]
-            self.store = self._store[:, :n, :, :fit]
+        if 2 * n >= self._store.shape[1] and all(r > i for i, r in moves):
+            # In ascending order of destination, a move never overwrites a row a later move reads.
+            for i, r in moves:
+                self._store[:, i, :, :fit] = self._store[:, r, :, :fit]
+            self.store = self._store[:, :n]
         else:
             self.store = self._store[:, rows, :, :fit]
 

@@ -25,6 +25,17 @@ class BatchState(Protocol):
     def extend(self, other: "BatchState") -> None: ...
 
 
+def fill_from_tail(alive: list[bool]) -> list[int]:
+    """The rows to keep when only the `alive` ones go on: the alive rows among the first n (n of them in
+    all) stay where they are and the alive rows past n fill the others' places, in order. Only as many rows
+    move as died among the first n (keeping the order would move every row behind the first that died, a
+    copy of their whole KV cache each time a response ends). A row's place in the batch does not change
+    its samples: every row draws from its own key and counter."""
+    n = sum(alive)
+    tail = iter([b for b in range(n, len(alive)) if alive[b]])
+    return [b if alive[b] else next(tail) for b in range(n)]
+
+
 class LiveBatch:
     def __init__(self, seqs: list[Sequence], cache: KVCache, last_tokens: torch.Tensor) -> None:
         self.seqs, self.cache, self.last_tokens = seqs, cache, last_tokens

@@ -28,7 +28,7 @@ import torch
 from tlt.errors import ConfigError, StaleWeightsError
 from tlt.progress import Progress
 from tlt.rollout import rng
-from tlt.rollout.batch import LiveBatch
+from tlt.rollout.batch import LiveBatch, fill_from_tail
 from tlt.rollout.config import EngineConfig
 from tlt.rollout.decoding import DecodeResult, Decoder, make_decoder, sample_next
 from tlt.rollout.params import SamplingParams, integral
@@ -236,7 +236,7 @@ class RolloutEngine:
 
     def _drop_finished(self) -> None:
         batch = self.batch
-        keep = [b for b, s in enumerate(batch.seqs) if s.finish_reason is None]
+        keep = fill_from_tail([s.finish_reason is None for s in batch.seqs])
         if len(keep) < len(batch):
             self._finished += [s for s in batch.seqs if s.finish_reason is not None]
             batch.select(keep)
