@@ -192,9 +192,10 @@ def test_same_seed_same_choices_and_different_seed_differs():
     assert choices(3) != choices(4)
 
 
+@pytest.mark.parametrize("explore_run", [1, 4])
 @pytest.mark.parametrize("explore", ["cost", "uniform"])
-def test_state_dict_round_trips_through_json_and_continues_identically(explore):
-    config = TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, explore=explore)
+def test_state_dict_round_trips_through_json_and_continues_identically(explore, explore_run):
+    config = TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, explore=explore, explore_run=explore_run)
     original, rng = Tuner(config), random.Random(4)
     for b in (1, 8, 64):
         run(original, b, {**MEANS[b], "tree-d4-k2-v8": 1} if b == 1 else MEANS[b], 300, rng)
@@ -368,3 +369,44 @@ def test_config_from_dict_coerces_and_rejects_unknown_keys():
     assert TunerConfig(arms=ARMS, buckets=[1, 4]).buckets == (1, 4)
     with pytest.raises(ConfigError, match="epsilom"):
         from_dict(TunerConfig, {"epsilom": 0.1})
+
+
+def test_an_exploration_run_keeps_its_arm_and_the_step_after_a_switch_goes_unscored():
+    """explore_run = 4: each untried arm runs four steps in config order; a step whose arm differs from the
+    bucket's previous step's earns no reward (the bucket's first step has none before it); a run keeps its
+    arm through the other buckets' steps and is cut short where its arm is not allowed."""
+    arms = ("off", "ngram-d4", "chain-d3")
+    tuner = Tuner(TunerConfig(arms=arms, explore_run=4))
+    chosen = []
+    for _ in range(12):
+        arm = tuner.choose(8)
+        tuner.update(8, arm, 1.0)
+        chosen.append(arm.name)
+        tuner.update(64, tuner.choose(64), 1.0)  # another bucket between the steps changes nothing here
+    assert chosen == ["off"] * 4 + ["ngram-d4"] * 4 + ["chain-d3"] * 4
+    samples = tuner.stats()["buckets"][tuner.bucket_of(8)]["samples"]
+    assert samples == {"off": 4, "ngram-d4": 3, "chain-d3": 3}
+    fresh = Tuner(TunerConfig(arms=arms, explore_run=4))
+    first = fresh.choose(8)
+    fresh.update(8, first, 1.0)
+    assert fresh.choose(8, allowed=lambda a: a != first) == S("ngram-d4")  # the run of "off" cut short
+
+
+@pytest.mark.parametrize("explore_run, winner", [(1, "chain-d3"), (4, "tree-d4-k2-v8")])
+def test_exploration_runs_find_an_arm_whose_steps_pay_only_after_one_another(explore_run, winner):
+    """A tree whose steps earn 130 tokens/s after a step of its own and 70 after another arm's (a step
+    starts where the previous one's path ended: the deep tree's first step lands out of phase), against a
+    chain at 100 whatever came before. Explored one step at a time the tree is only ever measured after
+    the chain and loses; explored in runs, with the step after a switch unscored, it wins and is run."""
+    arms = ("off", "chain-d3", "tree-d4-k2-v8")
+    tuner, rng = Tuner(TunerConfig(arms=arms, explore_run=explore_run)), random.Random(3)
+    previous, late = None, []
+    for step in range(3000):
+        arm = tuner.choose(8)
+        mean = {"off": 60, "chain-d3": 100}.get(arm.name, 130 if previous == arm.name else 70)
+        tuner.update(8, arm, noisy(rng, mean, 0.1))
+        previous = arm.name
+        if step >= 2000:
+            late.append(arm.name)
+    assert tuner.best(8) == S(winner)
+    assert late.count(winner) / len(late) >= 0.8

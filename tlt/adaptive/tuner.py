@@ -13,13 +13,29 @@ plain decoding from about 64).
 Inside a bucket, `choose` is epsilon-greedy:
 1. Untried arms first, in config order (an untried arm scores +inf), so every arm is measured once
    before any is trusted.
-2. With probability `epsilon`, an exploration draw: a uniformly random arm (the greedy one included).
-   With `explore="cost"` (the default) a drawn arm whose steps take longer than the greedy arm's runs
-   only with probability seconds(greedy) / seconds(arm), the median step times of the two in the
-   bucket, and the step is greedy otherwise; `explore="uniform"` always runs it (textbook
+2. With probability `epsilon` / `explore_run`, an exploration draw: a uniformly random arm (the greedy
+   one included), which then runs for `explore_run` steps of the bucket (so about `epsilon` of the steps
+   explore). With `explore="cost"` (the default) a drawn arm whose steps take longer than the greedy
+   arm's runs only with probability seconds(greedy) / seconds(arm), the median step times of the two
+   in the bucket, and the step is greedy otherwise; `explore="uniform"` always runs it (textbook
    epsilon-greedy). Without step times (`update` called without `seconds`) the reward ratio
    score(arm) / score(greedy) stands in: the two agree when every arm emits the same tokens per step.
 3. Otherwise the arm with the best score, ties going to the arm listed first.
+An untried arm also runs for `explore_run` steps.
+
+Runs, and the step after a switch (`explore_run`). What a step earns depends on the arm before it: a
+step starts where the previous one's accepted path ended, and a deep tree run step after step settles
+where its drafts fail (in the bench task, at the digit a chain step computes) and spans what follows,
+while its first step after a shallow arm starts anywhere (bench policy, 16 x 8 rollout, 9-32 live rows:
+tree-d8-k2-v12 accepts 5.8 tokens a row on its first step after tree-d4-k1-v4 steps, 7.5 on the next
+three, 7.7 in a rollout of its own). A bandit that explores single steps would measure every arm in the
+greedy arm's place and rank it below what running it would give. So an exploration keeps its arm for a
+run of steps, and a step whose arm differs from the bucket's previous step's (any arm, greedy too) is
+not scored; its step time still counts for `explore="cost"`. explore_run = 1 (the default) explores single
+steps and scores every step: on the bench rollout, runs started at epsilon / N explored the slow deep tree
+three times in four rollouts at 17-32 rows, too rarely to overtake the greedy arm, and N = 4 or 8 ran no
+faster (docs/results/bench_rollout_explore_runs.json).
+
 Why "cost": at large batch one step of a slow arm (a tree verification of 128 rows, plus the drafter's
 catch-up over the pairs the plain steps queued) costs many plain steps, so uniform exploration there
 can cost more than speculation saves. Weighting each draw by the step-time ratio caps what a draw
@@ -104,7 +120,7 @@ from tlt.speculative.strategy import Strategy
 # for cold start and for the loops a sampled policy falls into.
 DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d8-k2-v12")
 
-STATE_VERSION = 3  # version 1 holds no step times, versions 1-2 no batch sizes; both load without them
+STATE_VERSION = 4  # version 1 holds no step times, 1-2 no batch sizes, 1-3 no runs; all load without them
 EXPLORE = ("cost", "uniform")
 STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 SLOPE_EVERY = 32  # rewards a bucket records between fits of its row slope (a fit reads every window)
@@ -124,6 +140,8 @@ class TunerConfig:
     explore: str = setting("cost", "how exploration draws are weighed: cost (by step time) or uniform")
     row_slope: bool = setting(True, "rank a bucket's arms as at one batch size, by a fitted slope of log reward "
                                     "on log live rows (false: raw rewards)")
+    explore_run: int = setting(1, "steps an exploration draw (or an untried arm) keeps its arm; the step after a "
+                                  "switch of arms is not scored (1: single exploration steps, every step scored)")
 
     def __post_init__(self) -> None:
         for name in ("buckets", "arms"):
@@ -156,6 +174,7 @@ class TunerConfig:
         check(self, "prune_ratio", 0 <= self.prune_ratio < 1, "in [0, 1)")
         check_choice(self, "explore", EXPLORE)
         check(self, "row_slope", isinstance(self.row_slope, bool), "true or false")
+        check_int(self, "explore_run", 1)
 
 
 def _check_measure(name: str, value) -> None:
@@ -215,6 +234,8 @@ class _Bucket:
         self.pruned: dict[Strategy, dict] = {}
         self.seconds = {a: deque(maxlen=STEP_TIMES) for a in arms}  # arm -> recent step times
         self.summaries: dict[Strategy, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
+        self.run: tuple[Strategy, int] | None = None  # the arm of a run under way and its steps still to come
+        self.last: Strategy | None = None  # the arm of the bucket's last step
 
     def record(self, arm: Strategy, stamp: int, reward: float, rows: int | None) -> None:
         self.windows[arm].append((stamp, reward, rows))
@@ -252,12 +273,21 @@ class Tuner:
         if not candidates:
             raise ValueError(f"no arm is allowed in bucket {self.label(i)}: `allowed` rejected all of "
                              f"{[a.name for a in self.arms if a not in bucket.pruned]}")
-        untried = [a for a in candidates if not bucket.windows[a]]
-        if untried:
-            arm = untried[0]
+        runs = self.config.explore_run
+        if bucket.run is not None and bucket.run[0] in candidates and bucket.run[1] > 0:
+            arm, left = bucket.run
+            bucket.run = (arm, left - 1)
         else:
-            drawn = self._explore(bucket, candidates) if self._rng.random() < self.config.epsilon else None
-            arm = drawn or self._greedy(bucket, candidates)
+            bucket.run = None
+            untried = [a for a in candidates if not bucket.windows[a]]
+            if untried:
+                arm = untried[0]
+                bucket.run = (arm, runs - 1)
+            else:
+                drawn = self._explore(bucket, candidates) if self._rng.random() < self.config.epsilon / runs else None
+                if drawn is not None:
+                    bucket.run = (drawn, runs - 1)
+                arm = drawn or self._greedy(bucket, candidates)
         bucket.choices[arm] += 1
         return arm
 
@@ -286,9 +316,13 @@ class Tuner:
             _check_measure("seconds", seconds)
         i = self.bucket_of(batch_size)
         bucket = self._buckets[i]
-        bucket.record(arm, bucket.clock, float(reward), batch_size)
         if seconds is not None:
             bucket.seconds[arm].append(float(seconds))
+        switched = bucket.last is not None and arm != bucket.last
+        bucket.last = arm
+        if switched and self.config.explore_run > 1:  # started from the previous arm's place: not scored
+            return
+        bucket.record(arm, bucket.clock, float(reward), batch_size)
         bucket.clock += 1
         bucket.summaries.pop(arm, None)
         if self.config.row_slope and bucket.clock % SLOPE_EVERY == 0:
@@ -409,6 +443,8 @@ class Tuner:
                 "windows": {a.name: [list(entry) for entry in w] for a, w in b.windows.items() if w},
                 "seconds": {a.name: list(t) for a, t in b.seconds.items() if t},
                 "pruned": {a.name: dict(r) for a, r in b.pruned.items()},
+                "run": [b.run[0].name, b.run[1]] if b.run is not None else None,
+                "last": b.last.name if b.last is not None else None,
             } for b in self._buckets],
         }
 
@@ -435,6 +471,11 @@ class Tuner:
             bucket.pruned = {by_name[a]: dict(r) for a, r in saved_bucket["pruned"].items()}
             for name, times in saved_bucket.get("seconds", {}).items():
                 bucket.seconds[by_name[name]].extend(float(t) for t in times)
+            if saved_bucket.get("run") is not None:  # versions 1-3: none
+                name, left = saved_bucket["run"]
+                bucket.run = (by_name[name], int(left))
+            if saved_bucket.get("last") is not None:
+                bucket.last = by_name[saved_bucket["last"]]
             buckets.append(bucket)
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
@@ -449,6 +490,6 @@ class Tuner:
 
     @staticmethod
     def _config_of(state: dict) -> TunerConfig:
-        if state.get("version") not in (1, 2, STATE_VERSION):
-            raise ConfigError(f"tuner state version {state.get('version')!r} is not {STATE_VERSION} (or 1-2)")
+        if state.get("version") not in (1, 2, 3, STATE_VERSION):
+            raise ConfigError(f"tuner state version {state.get('version')!r} is not {STATE_VERSION} (or 1-3)")
         return from_dict(TunerConfig, state["config"], source="tuner state")
