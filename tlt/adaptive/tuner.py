@@ -234,7 +234,7 @@ class _Bucket:
         self.pruned: dict[Strategy, dict] = {}
         self.seconds = {a: deque(maxlen=STEP_TIMES) for a in arms}  # arm -> recent step times
         self.summaries: dict[Strategy, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
-        self.run: tuple[Strategy, int] | None = None  # the arm of a run under way and its steps still to come
+        self.run: tuple[Strategy, int] | None = None  # the arm of a run under way and its steps still to come (>= 1)
         self.last: Strategy | None = None  # the arm of the bucket's last step
 
     def record(self, arm: Strategy, stamp: int, reward: float, rows: int | None) -> None:
@@ -273,21 +273,18 @@ class Tuner:
         if not candidates:
             raise ValueError(f"no arm is allowed in bucket {self.label(i)}: `allowed` rejected all of "
                              f"{[a.name for a in self.arms if a not in bucket.pruned]}")
-        runs = self.config.explore_run
-        if bucket.run is not None and bucket.run[0] in candidates and bucket.run[1] > 0:
-            arm, left = bucket.run
-            bucket.run = (arm, left - 1)
+        run, bucket.run = bucket.run, None
+        if run is not None and run[0] in candidates:  # a run under way goes on
+            arm, left = run
         else:
-            bucket.run = None
             untried = [a for a in candidates if not bucket.windows[a]]
-            if untried:
-                arm = untried[0]
-                bucket.run = (arm, runs - 1)
-            else:
-                drawn = self._explore(bucket, candidates) if self._rng.random() < self.config.epsilon / runs else None
-                if drawn is not None:
-                    bucket.run = (drawn, runs - 1)
-                arm = drawn or self._greedy(bucket, candidates)
+            drawn = None
+            if not untried and self._rng.random() < self.config.epsilon / self.config.explore_run:
+                drawn = self._explore(bucket, candidates)
+            arm = untried[0] if untried else drawn or self._greedy(bucket, candidates)
+            left = self.config.explore_run if untried or drawn else 1
+        if left > 1:
+            bucket.run = (arm, left - 1)
         bucket.choices[arm] += 1
         return arm
 
