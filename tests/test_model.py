@@ -556,3 +556,25 @@ def test_retract_equals_rollback_by_count():
     assert (a.min_length, a.max_length) == (b.min_length, b.max_length) == (3, 7)
     with pytest.raises(ValueError):
         a.retract(4)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_concat_copies_each_rows_live_slots_and_zeroes_the_rest(paired):
+    """Caches of different capacities join at the largest: every row's slots up to its cache's longest
+    row (rounded to a block) are copied, the slots past it are zero, whatever the sources held there."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if paired else torch.float32
+    caches = []
+    for rows, lengths, capacity in ((2, [5, 9], 16), (3, [20, 3, 30], 48), (1, [2], 8)):
+        c = KVCache(2, rows, 2, 4, block=8, dtype=dtype)
+        c.store = torch.randn(4, rows, 2, capacity, 4).to(dtype)  # garbage past the lengths too
+        c.lengths = torch.tensor(lengths)
+        caches.append(c)
+    joined = KVCache.concat(caches)
+    assert joined.capacity == 48 and joined.lengths.tolist() == [5, 9, 20, 3, 30, 2]
+    row = 0
+    for c, fit in zip(caches, (16, 32, 8)):
+        got = logical_store(joined)[:, row:row + c.batch_size]
+        assert torch.equal(got[:, :, :, :fit], logical_store(c)[:, :, :, :fit])
+        assert not got[:, :, :, fit:].any()
+        row += c.batch_size

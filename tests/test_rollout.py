@@ -1,5 +1,6 @@
 """The rollout engine against transformers and against exact distributions."""
 
+import itertools
 import math
 
 import numpy as np
@@ -333,3 +334,24 @@ def test_engine_config_refuses_what_would_fail_later(fields, message):
     that the command line printed as a traceback; max_draft_tokens was not checked at all."""
     with pytest.raises(tlt.ConfigError, match=message):
         tlt.EngineConfig(**fields)
+
+
+def test_prefill_chunks_minimise_padded_slots_plus_a_cost_per_forward():
+    from tlt.rollout.batch import prefill_chunks
+
+    def cost(lengths, chunks, overhead):
+        return sum(overhead + len(c) * max(lengths[i] for i in c) for c in chunks)
+
+    bench = [78, 32, 10, 24, 22, 28, 16, 48, 18, 10, 10, 356, 334, 56, 30, 298]  # the bench task's prompts
+    some = bench[5:]
+    order = sorted(range(len(some)), key=lambda i: some[i])
+    splits = [[order[a:b] for a, b in zip((0,) + cuts, cuts + (len(some),))]
+              for k in range(len(some)) for cuts in itertools.combinations(range(1, len(some)), k)]
+    for overhead in (0, 32, 10**6):
+        chunks = prefill_chunks(some, overhead)
+        assert sorted(i for c in chunks for i in c) == list(range(len(some)))
+        assert all(c == sorted(c) for c in chunks)  # a chunk's rows keep the prompts' order
+        assert cost(some, chunks, overhead) == min(cost(some, split, overhead) for split in splits)  # 1,024 of them
+    assert len(prefill_chunks(bench, 10**6)) == 1 and len(prefill_chunks(bench, 0)) == 14  # 14 distinct lengths
+    assert [[bench[i] for i in c] for c in prefill_chunks(bench, 32)][-1] == [356, 334]
+    assert prefill_chunks([], 32) == [] and prefill_chunks([5, 5, 5], 0) == [[0, 1, 2]]

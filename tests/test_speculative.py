@@ -326,3 +326,30 @@ def test_rows_filling_finished_places_from_the_tail_change_no_sample(monkeypatch
                         [b for b, a in enumerate(alive) if a])  # the order-keeping drop
     assert run() == filled
     assert any(keep != sorted(keep) for keep in moves)  # the tail did move into earlier places
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strategy", ["off", "tree-d4-k3-v10"])
+def test_prompts_prefilled_in_chunks_of_similar_lengths_change_no_sample(monkeypatch, strategy, dtype):
+    """Prompts of very different lengths are prefilled in several chunks (`prefill_chunks`): the samples
+    are those of one right-padded forward over all of them, token for token, under plain decoding and
+    target-only tree verification, in float32 and on tlt's bf16 kernels."""
+    import tlt.rollout.engine as engine_module
+
+    target = random_target(seed=5).to(dtype)
+    prompts = [[7] * 90, [3, 4, 5], [9, 8, 7, 6, 5] * 16, [11, 12], [1 + i % 50 for i in range(40)]]
+    params = [tlt.SamplingParams(n=2, temperature=1.0, max_tokens=m, seed=i, ignore_eos=True)
+              for i, m in enumerate([12, 20, 6, 15, 9])]
+
+    def run():
+        if strategy == "off":
+            return tokens_of(tlt.RolloutEngine(target).generate(prompts, params))
+        return tokens_of(engine(target, strategy, Drafter.from_target(target, seed=3)).generate(prompts, params))
+
+    chunks = []
+    original = engine_module.prefill_chunks
+    monkeypatch.setattr(engine_module, "prefill_chunks", lambda lengths: chunks.append(original(lengths)) or chunks[-1])
+    chunked = run()
+    assert [[len(prompts[i]) for i in c] for c in chunks[0]] == [[3, 2], [40], [90, 80]]
+    monkeypatch.setattr(engine_module, "prefill_chunks", lambda lengths: [list(range(len(lengths)))])
+    assert run() == chunked

@@ -314,13 +314,21 @@ class KVCache:
 
     @staticmethod
     def concat(caches: list["KVCache"]) -> "KVCache":
-        """One cache holding the rows of all `caches`, in order."""
+        """One cache holding the rows of all `caches`, in order, at the largest of their capacities. Each
+        cache's live slots are copied once into the new store and the rest of its rows zeroed (padding
+        each store to the capacity first and then joining them would copy everything twice)."""
         caches = [c for c in caches if c.batch_size]
         if not caches:
             raise ValueError("concat needs at least one non-empty cache")
         first = caches[0]
         cap = max(c.capacity for c in caches)
-        lengths = torch.cat([c.lengths for c in caches])
-        parts = [c.store if c.capacity == cap else torch.cat([c.store, first._empty(c.batch_size, cap - c.capacity)], 3)
-                 for c in caches]
-        return first._like(lengths, torch.cat(parts, 1))
+        store = torch.empty(2 * first.num_layers, sum(c.batch_size for c in caches), first.num_kv_heads, cap,
+                            first.head_dim, dtype=first.dtype, device=first.device)
+        row = 0
+        for c in caches:
+            fit = min(-(-c.max_length // c.block) * c.block, c.capacity)  # a block holds whole value pairs
+            rows = slice(row, row + c.batch_size)
+            store[:, rows, :, :fit] = c.store[:, :, :, :fit]
+            store[:, rows, :, fit:] = 0  # as `_empty`: no garbage in slots attention may weigh by 0
+            row += c.batch_size
+        return first._like(torch.cat([c.lengths for c in caches]), store)

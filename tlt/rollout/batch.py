@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tlt.model.kv_cache import KVCache
@@ -22,7 +23,7 @@ class BatchState(Protocol):
 
     def select(self, rows: torch.Tensor) -> None: ...
 
-    def extend(self, other: "BatchState") -> None: ...
+    def extend(self, *others: "BatchState") -> None: ...
 
 
 def fill_from_tail(alive: list[bool]) -> list[int]:
@@ -34,6 +35,33 @@ def fill_from_tail(alive: list[bool]) -> list[int]:
     n = sum(alive)
     tail = iter([b for b in range(n, len(alive)) if alive[b]])
     return [b if alive[b] else next(tail) for b in range(n)]
+
+
+# The fixed cost of one prefill forward, in prompt tokens: a 10-token prompt alone costs about as much
+# as 40 tokens of a long one (bench policy, bf16 kernels, 2 threads: 10 ms against 0.25 ms a token).
+PREFILL_OVERHEAD_TOKENS = 32
+
+
+def prefill_chunks(lengths: list[int], overhead: int = PREFILL_OVERHEAD_TOKENS) -> list[list[int]]:
+    """The prompts (indices into `lengths`) of each right-padded prefill forward: a forward over prompts of
+    lengths l costs about `overhead` + len(l) x max(l) token slots, and the chunks, runs of the prompts
+    sorted by length, minimise the sum, shortest chunk first (one padded forward over 16 bench prompts of 10 to 356 tokens
+    computes 5,700 slots for 1,370 tokens; two chunks compute 2,100)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    sorted_lengths = np.array([lengths[i] for i in order], dtype=np.int64)
+    n = len(order)
+    best = np.zeros(n + 1, dtype=np.int64)  # best[j]: the least cost of the first j sorted prompts
+    start = np.zeros(n + 1, dtype=np.int64)  # where the last chunk of that best split starts
+    for j in range(1, n + 1):
+        first = np.arange(j)  # the last chunk is sorted prompts first .. j-1, padded to the (j-1)th length
+        costs = best[:j] + overhead + (j - first) * sorted_lengths[j - 1]
+        start[j] = int(np.argmin(costs))
+        best[j] = costs[start[j]]
+    chunks, j = [], n
+    while j:
+        chunks.append(sorted(order[start[j]:j]))  # a chunk's rows in the order the prompts came
+        j = int(start[j])
+    return chunks[::-1]
 
 
 class LiveBatch:
@@ -67,10 +95,12 @@ class LiveBatch:
         if self.state is not None:
             self.state.select(idx)
 
-    def extend(self, other: "LiveBatch") -> None:
-        self.seqs = self.seqs + other.seqs
-        self.cache = KVCache.concat([self.cache, other.cache])
+    def extend(self, *others: "LiveBatch") -> None:
+        """Append the rows of `others`, in order (one copy of every cache, however many join)."""
+        batches = [self, *others]
+        self.seqs = [s for b in batches for s in b.seqs]
+        self.cache = KVCache.concat([b.cache for b in batches])
         for name in ("last_tokens", "temperature", "top_k", "top_p", "keys"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+            setattr(self, name, torch.cat([getattr(b, name) for b in batches]))
         if self.state is not None:
-            self.state.extend(other.state)
+            self.state.extend(*(b.state for b in others))

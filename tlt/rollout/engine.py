@@ -4,8 +4,9 @@
     admit -> prefill the admitted -> decode -> postprocess
   - admit: the scheduler picks waiting groups that fit the batch and the KV budget (continuous
     batching: requests join as soon as others leave);
-  - prefill: the admitted prompts run in one right-padded forward into a fresh KV cache, which is then
-    forked n times per group (n samples share one prefill) and joined to the live batch;
+  - prefill: the admitted prompts run in right-padded forwards, one per chunk of similar lengths, into
+    fresh KV caches, which are then forked n times per group (n samples share one prefill) and joined
+    to the live batch;
   - decode: the decoder turns the live batch into new tokens per row (one for plain decoding, several
     for speculative decoding), leaving the cache holding everything but each row's newest token. The
     engine knows its decoder only as a decoding.Decoder, picked by `make_decoder` from the config, and
@@ -28,7 +29,7 @@ import torch
 from tlt.errors import ConfigError, StaleWeightsError
 from tlt.progress import Progress
 from tlt.rollout import rng
-from tlt.rollout.batch import LiveBatch, fill_from_tail
+from tlt.rollout.batch import LiveBatch, fill_from_tail, prefill_chunks
 from tlt.rollout.config import EngineConfig
 from tlt.rollout.decoding import DecodeResult, Decoder, make_decoder, sample_next
 from tlt.rollout.params import SamplingParams, integral
@@ -183,6 +184,18 @@ class RolloutEngine:
         self._stats.step_times.append(time.perf_counter() - start)
 
     def _prefill(self, groups: list[Group]) -> None:
+        """Prefill the admitted groups in chunks of similar prompt lengths (`prefill_chunks`), then join
+        their rows to the live batch."""
+        parts = [self._prefill_chunk([groups[i] for i in chunk])
+                 for chunk in prefill_chunks([len(g.prompt) for g in groups])]
+        if self.batch is None or not len(self.batch):
+            self.batch = parts.pop(0)
+        self.batch.extend(*parts)
+        self._drop_finished()
+
+    def _prefill_chunk(self, groups: list[Group]) -> LiveBatch:
+        """One right-padded forward over the groups' prompts into a fresh cache, forked to the groups'
+        samples, their first tokens sampled and appended."""
         device = self.model.device
         lengths = torch.tensor([len(g.prompt) for g in groups], device=device)
         T = int(lengths.max())
@@ -211,13 +224,8 @@ class RolloutEngine:
         fresh.last_tokens = torch.tensor([r[0] for r in first.tokens], dtype=torch.long, device=device)
         self.decoder.prefill(fresh, ids, lengths, out, counts)
         self._stats.prefill_tokens += int(lengths.sum())
-        if self.batch is None or not len(self.batch):
-            self.batch = fresh
-            self._postprocess(first)
-        else:
-            self._append(fresh, first)
-            self.batch.extend(fresh)
-            self._drop_finished()
+        self._append(fresh, first)
+        return fresh
 
     def _postprocess(self, result: DecodeResult) -> None:
         self._append(self.batch, result)

@@ -109,14 +109,15 @@ class DraftState:
         self.features, self.tokens = self.features[rows, :used], self.tokens[rows, :used]
         self.count, self.start = self.count[rows], self.start[rows]
 
-    def extend(self, other: "DraftState") -> None:
+    def extend(self, *others: "DraftState") -> None:
         from tlt.model.kv_cache import KVCache
 
-        self.cache = KVCache.concat([self.cache, other.cache])
-        width = max(self.tokens.shape[1], other.tokens.shape[1])
-        self.features = torch.cat([_widen(self.features, width), _widen(other.features, width)])
-        self.tokens = torch.cat([_widen(self.tokens, width), _widen(other.tokens, width)])
-        self.count, self.start = torch.cat([self.count, other.count]), torch.cat([self.start, other.start])
+        states = [self, *others]
+        self.cache = KVCache.concat([s.cache for s in states])
+        width = max(s.tokens.shape[1] for s in states)
+        self.features = torch.cat([_widen(s.features, width) for s in states])
+        self.tokens = torch.cat([_widen(s.tokens, width) for s in states])
+        self.count, self.start = torch.cat([s.count for s in states]), torch.cat([s.start for s in states])
 
     def trim(self, window: int) -> None:
         """Rows whose drafter cache holds more than 2 x `window` pairs keep their newest `window` (their
