@@ -412,6 +412,46 @@ def test_a_deep_draft_path_equals_plain_decoding_bit_for_bit(n, seed=7):
 
 
 @needs_kernels
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("T", [1, 9])
+def test_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(T, pair):
+    """A batch whose rows hold different numbers of cached keys (the longest sets S; a shorter row's slots past
+    its own are masked and hold garbage): every row's tree verification equals the same row alone over its own
+    slots, bit for bit, on tiles and on AVX-512. The kernel stops each row at its last visible key; stopping
+    short of one would change the row's result."""
+    Hkv, group, D = 2, 2, 48
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5][:T]
+    lengths = [150, 37, 16, 94, 3]  # cached keys per row; slots past them hold garbage
+    S = max(lengths) + T
+    gen = torch.Generator().manual_seed(T)
+    keys = torch.randn(len(lengths), Hkv, S, D, generator=gen).bfloat16()
+    values = torch.randn(len(lengths), Hkv, S, D, generator=gen).bfloat16()
+    for b, n in enumerate(lengths):
+        values[b, :, n + T :] = 1e4  # garbage a leak would show
+    q = torch.randn(len(lengths), Hkv * group, T, D, generator=gen).bfloat16()
+    lay = paired if pair else (lambda v: v)
+    units = [True, False] if kernels.amx() else [False]
+    for tiles in units:
+        kernels.set_amx(tiles)
+        try:
+            mask = torch.full((len(lengths), 1, T, S), float("-inf"))
+            alone = []
+            for b, n in enumerate(lengths):
+                _, row_mask = tree_visibility(parents, n)
+                mask[b, :, :, : n + T] = row_mask[0]
+                k, v = keys[b : b + 1, :, : n + T].contiguous(), values[b : b + 1, :, : n + T].contiguous()
+                alone.append(kernels.attention(q[b : b + 1], k, lay(v), row_mask, pair))
+                ref = F.scaled_dot_product_attention(q[b : b + 1].float(), k.float().repeat_interleave(group, 1),
+                                                     v.float().repeat_interleave(group, 1), attn_mask=row_mask)
+                assert (alone[-1].float() - ref.transpose(1, 2).reshape(1, T, -1)).abs().max() <= 0.01
+            batch = kernels.attention(q, keys, lay(values), mask, pair)
+            for b in range(len(lengths)):
+                assert torch.equal(batch[b], alone[b][0]), f"row {b}, tiles {tiles}"
+        finally:
+            kernels.set_amx(True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("M,I", [(37, 90), (17, 1100)])  # rows split across threads; rows split in pieces
 def test_silu_mul_equals_torch_bit_for_bit(M, I):
     """silu(gate) * up as torch computes it in bf16 (silu rounded first), over large and small gates."""

@@ -717,6 +717,17 @@ TARGET int64_t tile_split(const float* mask, int64_t visible) {
   return split <= gap ? split : 0;
 }
 
+// One past the last key an additive mask row of S keys leaves visible (not -inf); at least 1.
+TARGET int64_t visible_end(const float* mask, int64_t S) {
+  for (int64_t s = (S - 1) / 16 * 16; s >= 0; s -= 16) {
+    __mmask16 m = count_mask(S - s);
+    __mmask16 shown =
+        _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, mask + s), _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    if (shown) return s + 32 - __builtin_clz(static_cast<unsigned>(shown));
+  }
+  return 1;
+}
+
 // R query rows (bf16, [R][D], row stride qs, zero from D to qs) that share one kv head, over its keys/values
 // [S, D] (row stride ks / vs; values PAIRED as weighted_values reads them, or natural):
 // row r sees keys 0 .. visible[r] - 1 with the additive mask masks[r] (null: none) and writes out[r]
@@ -1039,6 +1050,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   std::vector<int64_t> splits(direct ? B * T : 0);
   for (int64_t i = 0; i < (direct ? B * T : 0); ++i)
     splits[i] = tile_split(mp ? mp + i / T * mb + i % T * mt : nullptr, mp ? S : S - T + i % T + 1);
+  // Under a mask, the keys a query row may see end at its last unmasked one: a shorter row of the batch (a cache's
+  // rows have different lengths) reads and weighs only its own slots, not the longest row's. The keys past it
+  // would add exact zeros (their weights), so the results are the same bit for bit, at less work.
+  std::vector<int64_t> limits(mp ? B * T : 0);
+  for (int64_t i = 0; i < (mp ? B * T : 0); ++i) limits[i] = visible_end(mp + i / T * mb + i % T * mt, S);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
     thread_local std::vector<float> scores;
@@ -1062,7 +1078,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         int64_t h = j * group + r / T, t = r % T;
         std::memcpy(&qb[r * Dq], qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), D * 2);
         masks[r] = mp ? mp + b * mb + t * mt : nullptr;
-        visible[r] = mp ? S : S - T + t + 1;
+        visible[r] = mp ? limits[b * T + t] : S - T + t + 1;
         split[r] = direct ? splits[b * T + t] : 0;
         outs[r] = op + (b * T + t) * H * D + h * D;
       }
