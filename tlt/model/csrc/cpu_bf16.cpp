@@ -44,6 +44,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -847,6 +848,23 @@ bool supported() {
 // x [M, K] bf16 (rows contiguous), packed [G, K / 2, 32, 2] bf16, bias [N] float32 or undefined,
 // residual [M, N] bf16 (rows contiguous) or undefined -> [M, N] bf16. 4-bit weights (block4): packed
 // [G, K / 2, 32] uint8 with scales [G, K / 128 (or 1), 2, 32] float32 (scale, then shift, per k-group).
+namespace {
+// Tasks 0 .. n-1 handed to the pool's threads one at a time as each comes free (an atomic counter), where
+// at::parallel_for would give each thread a fixed half: a thread slowed by a neighbour on a shared machine, or
+// tasks of unequal cost (attention rows of different lengths), no longer leave the other thread waiting at the end.
+// body(next) runs once on each thread; next() returns the thread's next task, -1 when none is left. A task's
+// result depends on the task alone, whatever thread runs it.
+template <typename F>
+void parallel_tasks(int64_t n, const F& body) {
+  std::atomic<int64_t> counter{0};
+  auto next = [&counter, n] {
+    int64_t t = counter.fetch_add(1, std::memory_order_relaxed);
+    return t < n ? t : int64_t{-1};
+  };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(next); });
+}
+}  // namespace
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                      c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
@@ -903,37 +921,40 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     int64_t amx_chunks = (M + AMX_CHUNK - 1) / AMX_CHUNK, steps = pairs / 16, tail = M % 16;
     std::vector<uint16_t> xt(tail && M > 16 ? 16 * K : 0, 0);  // the last partial block, zero-padded to 16 rows
     for (int64_t r = 0; r < (xt.empty() ? 0 : tail); ++r) std::memcpy(xt.data() + r * K, xp + (M - tail + r) * xs, K * 2);
-    at::parallel_for(0, groups * amx_chunks, 1, [&](int64_t t0, int64_t t1) {
+    // A thread takes a group's chunks one after another, the group's weights staying in its L2.
+    parallel_tasks(groups, [&](const auto& take) {
       alignas(64) float acc[AMX_CHUNK * GROUP];
       int64_t configured = 0;  // rows the tiles are configured for, 0 none
-      for (int64_t t = t0; t < t1; ++t) {
-        int64_t g = t / amx_chunks, m_start = (t % amx_chunks) * AMX_CHUNK, m_end = std::min(M, m_start + AMX_CHUNK);
-        int64_t cols = std::min(GROUP, N - g * GROUP), blocks = (m_end - m_start + 15) / 16;
-        const uint16_t* wg = wp + g * pairs * GROUP * 2;
-        if (blocks == 1) {
-          int64_t rows = m_end - m_start;
-          if (rows != configured) amx_configure(configured = rows);
-          amx_block(xp + m_start * xs, xs, wg, pairs, acc);
-        } else {
-          if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
-          for (int64_t s0 = 0; s0 < steps; s0 += AMX_SLICE) {
-            int64_t n = std::min(AMX_SLICE, steps - s0);
-            const uint16_t* ws = wg + s0 * 16 * GROUP * 2;
-            // the next slice (or the next group's first), n * 32 lines, AMX_PF lines a step over the blocks' passes
-            const char* next = reinterpret_cast<const char*>(ws + n * 16 * GROUP * 2);
-            for (int64_t blk = 0; blk < blocks; ++blk) {
-              int64_t m0 = m_start + 16 * blk;
-              bool padded = m0 + 16 > M;
-              const uint16_t* xb = padded ? xt.data() : xp + m0 * xs;
-              const char* pf = next + blk * n * AMX_PF * 64;
-              amx_slice(xb + 32 * s0, padded ? K : xs, ws, n, acc + blk * 16 * GROUP, s0 == 0,
-                        pf < next + n * 16 * GROUP * 4 ? pf : nullptr);
+      for (int64_t g; (g = take()) >= 0;) {
+        for (int64_t c = 0; c < amx_chunks; ++c) {
+          int64_t m_start = c * AMX_CHUNK, m_end = std::min(M, m_start + AMX_CHUNK);
+          int64_t cols = std::min(GROUP, N - g * GROUP), blocks = (m_end - m_start + 15) / 16;
+          const uint16_t* wg = wp + g * pairs * GROUP * 2;
+          if (blocks == 1) {
+            int64_t rows = m_end - m_start;
+            if (rows != configured) amx_configure(configured = rows);
+            amx_block(xp + m_start * xs, xs, wg, pairs, acc);
+          } else {
+            if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
+            for (int64_t s0 = 0; s0 < steps; s0 += AMX_SLICE) {
+              int64_t n = std::min(AMX_SLICE, steps - s0);
+              const uint16_t* ws = wg + s0 * 16 * GROUP * 2;
+              // the next slice (or the next group's first), n * 32 lines, AMX_PF lines a step over the blocks' passes
+              const char* next = reinterpret_cast<const char*>(ws + n * 16 * GROUP * 2);
+              for (int64_t blk = 0; blk < blocks; ++blk) {
+                int64_t m0 = m_start + 16 * blk;
+                bool padded = m0 + 16 > M;
+                const uint16_t* xb = padded ? xt.data() : xp + m0 * xs;
+                const char* pf = next + blk * n * AMX_PF * 64;
+                amx_slice(xb + 32 * s0, padded ? K : xs, ws, n, acc + blk * 16 * GROUP, s0 == 0,
+                          pf < next + n * 16 * GROUP * 4 ? pf : nullptr);
+              }
             }
           }
+          for (int64_t r = 0; r < m_end - m_start; ++r)
+            finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
+                   res ? res + (m_start + r) * res_stride + g * GROUP : nullptr, op + (m_start + r) * N + g * GROUP, cols);
         }
-        for (int64_t r = 0; r < m_end - m_start; ++r)
-          finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
-                 res ? res + (m_start + r) * res_stride + g * GROUP : nullptr, op + (m_start + r) * N + g * GROUP, cols);
       }
       if (configured) amx_release();
     });
@@ -942,9 +963,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   const uint8_t* wq = four ? packed.data_ptr<uint8_t>() : nullptr;
   const float* sp = four ? scales->data_ptr<float>() : nullptr;
   // One task: one weight group times one chunk of rows.
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(groups * chunks, [&](const auto& take) {
     alignas(64) float acc[ROWS * GROUP];
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t; (t = take()) >= 0;) {
       int64_t g = t / chunks, m_end = std::min(M, (t % chunks + 1) * CHUNK);
       int64_t cols = std::min(GROUP, N - g * GROUP);
       int64_t m_start = (t % chunks) * CHUNK;
@@ -1055,7 +1076,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   // would add exact zeros (their weights), so the results are the same bit for bit, at less work.
   std::vector<int64_t> limits(mp ? B * T : 0);
   for (int64_t i = 0; i < (mp ? B * T : 0); ++i) limits[i] = visible_end(mp + i / T * mb + i % T * mt, S);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  parallel_tasks(B * Hkv, [&](const auto& take) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
     thread_local std::vector<float> scores;
     thread_local std::vector<uint32_t> packed;
@@ -1072,7 +1093,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     visible.resize(R);
     split.resize(R);
     outs.resize(R);
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; (i = take()) >= 0;) {
       int64_t b = i / Hkv, j = i % Hkv;
       for (int64_t r = 0; r < R; ++r) {
         int64_t h = j * group + r / T, t = r % T;
