@@ -190,7 +190,8 @@ class RolloutEngine:
                  for chunk in prefill_chunks([len(g.prompt) for g in groups])]
         if self.batch is None or not len(self.batch):
             self.batch = parts.pop(0)
-        self.batch.extend(*parts)
+        if parts:
+            self.batch.extend(*parts)
         self._drop_finished()
 
     def _prefill_chunk(self, groups: list[Group]) -> LiveBatch:

@@ -845,26 +845,26 @@ bool supported() {
          __builtin_cpu_supports("avx512bf16");
 }
 
-// x [M, K] bf16 (rows contiguous), packed [G, K / 2, 32, 2] bf16, bias [N] float32 or undefined,
-// residual [M, N] bf16 (rows contiguous) or undefined -> [M, N] bf16. 4-bit weights (block4): packed
-// [G, K / 2, 32] uint8 with scales [G, K / 128 (or 1), 2, 32] float32 (scale, then shift, per k-group).
 namespace {
 // Tasks 0 .. n-1 handed to the pool's threads one at a time as each comes free (an atomic counter), where
 // at::parallel_for would give each thread a fixed half: a thread slowed by a neighbour on a shared machine, or
 // tasks of unequal cost (attention rows of different lengths), no longer leave the other thread waiting at the end.
-// body(next) runs once on each thread; next() returns the thread's next task, -1 when none is left. A task's
+// body(take) runs once on each thread; take() returns the thread's next task, -1 when none is left. A task's
 // result depends on the task alone, whatever thread runs it.
 template <typename F>
 void parallel_tasks(int64_t n, const F& body) {
   std::atomic<int64_t> counter{0};
-  auto next = [&counter, n] {
+  auto take = [&counter, n] {
     int64_t t = counter.fetch_add(1, std::memory_order_relaxed);
     return t < n ? t : int64_t{-1};
   };
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(next); });
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(take); });
 }
 }  // namespace
 
+// x [M, K] bf16 (rows contiguous), packed [G, K / 2, 32, 2] bf16, bias [N] float32 or undefined,
+// residual [M, N] bf16 (rows contiguous) or undefined -> [M, N] bf16. 4-bit weights (block4): packed
+// [G, K / 2, 32] uint8 with scales [G, K / 128 (or 1), 2, 32] float32 (scale, then shift, per k-group).
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                      c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
