@@ -156,6 +156,12 @@ class KVCache:
     def min_length(self) -> int:
         return self._bounds[0]
 
+    @property
+    def fit(self) -> int:
+        """The slots that hold every row's tokens: the longest row rounded up to a block (whole value pairs),
+        within the capacity."""
+        return min(-(-self.max_length // self.block) * self.block, self.capacity)
+
     def nbytes(self) -> int:
         """Bytes held by the store (rows dropped in place still count until the next growth)."""
         return self._store.untyped_storage().nbytes()
@@ -179,9 +185,8 @@ class KVCache:
 
     def shrink(self) -> None:
         """Release capacity beyond the longest row (rounded up to a block)."""
-        fit = -(-self.max_length // self.block) * self.block
-        if fit < self.capacity:
-            self._resize(fit)
+        if self.fit < self.capacity:
+            self._resize(self.fit)
 
     # --- writing -----------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +303,7 @@ class KVCache:
         n, index = rows.numel(), rows.tolist()
         moves = [(i, r) for i, r in enumerate(index) if r != i]
         self.lengths = self.lengths[rows]
-        fit = -(-self.max_length // self.block) * self.block
+        fit = self.fit
         if 2 * n >= self._store.shape[1] and all(r > i for i, r in moves):
             # In ascending order of destination, a move never overwrites a row a later move reads.
             for i, r in moves:
@@ -326,9 +331,8 @@ class KVCache:
                             first.head_dim, dtype=first.dtype, device=first.device)
         row = 0
         for c in caches:
-            fit = min(-(-c.max_length // c.block) * c.block, c.capacity)  # a block holds whole value pairs
             rows = slice(row, row + c.batch_size)
-            store[:, rows, :, :fit] = c.store[:, :, :, :fit]
-            store[:, rows, :, fit:] = 0  # as `_empty`: no garbage in slots attention may weigh by 0
+            store[:, rows, :, : c.fit] = c.store[:, :, :, : c.fit]
+            store[:, rows, :, c.fit :] = 0  # as `_empty`: no garbage in slots attention may weigh by 0
             row += c.batch_size
         return first._like(torch.cat([c.lengths for c in caches]), store)

@@ -925,10 +925,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     for (int64_t r = 0; r < (xt.empty() ? 0 : tail); ++r) std::memcpy(xt.data() + r * K, xp + (M - tail + r) * xs, K * 2);
     // A task is a run of consecutive groups, taken chunk by chunk: for each chunk of rows, every group of the run,
     // so the chunk's rows (128 x K bf16) and the run's weights both stay in the thread's L2. One group per task
-    // re-reads all of x from L3 for every group once x outgrows L2 (1,664 rows x 768: 2.5 MB, 160 groups: 1.5-1.9x
-    // slower); where x fits (AMX_X_BYTES), single groups balance the threads better.
-    bool x_fits = M * K * 2 <= AMX_X_BYTES;
-    int64_t run = x_fits ? 1 : std::clamp<int64_t>(groups / (4 * at::get_num_threads()), 1, AMX_RUN);
+    // re-reads all of x from L3 for every group once x outgrows L2 (1,664 rows x 768: 2.5 MB, 160 groups: products
+    // 1.2-1.75x slower); where x fits (AMX_X_BYTES), single groups balance the threads better.
+    int64_t run = M * K * 2 <= AMX_X_BYTES ? 1 : std::clamp<int64_t>(groups / (4 * at::get_num_threads()), 1, AMX_RUN);
     parallel_tasks((groups + run - 1) / run, [&](const auto& take) {
       alignas(64) float acc[AMX_CHUNK * GROUP];
       int64_t configured = 0;  // rows the tiles are configured for, 0 none
@@ -962,7 +961,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
           }
           for (int64_t r = 0; r < m_end - m_start; ++r)
             finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
-                   res ? res + (m_start + r) * res_stride + g * GROUP : nullptr, op + (m_start + r) * N + g * GROUP, cols);
+                   res ? res + (m_start + r) * res_stride + g * GROUP : nullptr,
+                   op + (m_start + r) * N + g * GROUP, cols);
         }
       }
       if (configured) amx_release();
