@@ -516,6 +516,54 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, ca
 
 
 @needs_kernels
+@pytest.mark.parametrize("pair", [False, True])
+def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(pair):
+    """Rows of 3, 0, 5 and 1 real tokens (of T = 5, right-padded) passed packed with their counts: every real
+    token's output and cache slots are the padded batch's bit for bit; the padding's slots hold zeros' keys."""
+    from tlt.model.kv_cache import KVCache
+    from tlt.model.rope import rope_tables
+
+    B, T, hidden, H, Hkv, D, inter = 4, 5, 64, 4, 2, 16, 96
+    weights = [bf16((H + 2 * Hkv) * D, hidden, seed=51), bf16(hidden, H * D, seed=52),
+               bf16(2 * inter, hidden, seed=53), bf16(hidden, inter, seed=54)]
+    sizes, packs = [w.shape[0] for w in weights], [cpu_kernels.pack(w) for w in weights]
+    qk_norm = torch.rand(H + Hkv, D, generator=torch.Generator().manual_seed(55)) + 0.5
+    x = bf16(B, T, hidden, seed=56)
+    lengths, counts = torch.tensor([6, 2, 9, 4]), torch.tensor([3, 0, 5, 1])
+    real = torch.arange(T) < counts[:, None]
+    cos, sin = rope_tables(lengths[:, None] + torch.arange(T), 1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0,
+                           torch.bfloat16)
+    C = 16
+    keys_seen = torch.arange(C) < lengths[:, None, None] + torch.arange(T)[:, None] + 1  # causal over new tokens
+    mask = torch.zeros(B, 1, T, C).masked_fill_(~keys_seen[:, None], float("-inf"))
+    outs, caches = [], []
+    for packed_tokens in (False, True):
+        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16, paired=pair)
+        cache.reserve(C)
+        cache.store.normal_(generator=torch.Generator().manual_seed(57))
+        cache.lengths = lengths.clone()
+        keys, values, S = cache.buffers(0, T)
+        args = (1e-6, packs, sizes, [None] * 4, [None] * 4, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
+                cache.lengths, S, mask[..., :S].contiguous(), pair)
+        if packed_tokens:
+            outs.append(kernels.layer_step(x[real].contiguous(), *args, counts=counts))
+        else:
+            outs.append(kernels.layer_step(x, *args)[real])
+        caches.append(cache)
+    assert outs[1].shape == (int(counts.sum()), hidden)
+    assert torch.equal(outs[0], outs[1])
+    for b in range(B):
+        slots = slice(0, int(lengths[b] + counts[b]))
+        assert torch.equal(caches[0].keys[0][b, :, slots], caches[1].keys[0][b, :, slots])
+        if not pair:  # (paired values interleave two slots' dimensions)
+            assert torch.equal(caches[0].values[0][b, :, slots], caches[1].values[0][b, :, slots])
+            padding = slice(int(lengths[b] + counts[b]), int(lengths[b]) + T)
+            assert torch.equal(caches[1].values[0][b, :, padding], torch.zeros_like(caches[1].values[0][b, :, padding]))
+    with pytest.raises(RuntimeError, match="counts"):
+        kernels.layer_step(x[real].contiguous(), *args, counts=torch.tensor([3, 0, 5, 2]))
+
+
+@needs_kernels
 def test_attention_over_a_bf16_cache_equals_a_float32_cache_of_the_same_values():
     gen = torch.Generator().manual_seed(22)
     keys = torch.randn(2, 2, 40, 48, generator=gen).bfloat16()

@@ -260,3 +260,41 @@ def test_bf16_and_float32_caches_give_the_same_logits(tiny_model):
                             position_ids=cache.lengths[:, None] + torch.tensor([0, 1, 1])).logits)
             logits[dtype] = torch.cat(out, 1)
     assert torch.equal(logits[torch.bfloat16], logits[torch.float32])
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="tlt's bf16 CPU kernels do not run on this machine")
+@pytest.mark.parametrize("tree", [False, True])
+def test_right_padded_rows_run_packed_with_the_padded_forwards_bits(tiny_model, monkeypatch, tree):
+    """A cached forward whose rows carry 4, 1 and 3 real tokens of 4 (right-padded drafts, prompts of
+    different lengths) runs its layers on the 8 real tokens only, and every real token's logits, features
+    and layer outputs are those of the forward over the padded [3, 4] (packing turned off) bit for bit."""
+    import tlt.model.transformer as transformer
+
+    half = tiny_model(seed=6).bfloat16()
+    ids = torch.randint(3, 61, (3, 10), generator=torch.Generator().manual_seed(4))
+    real = torch.tensor([[True] * 4, [True, False, False, False], [True, True, True, False]])
+    masks = {}
+    if tree:
+        masks = dict(tree_mask=torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]).bool().expand(3, 4, 4),
+                     position_ids=torch.tensor([0, 1, 1, 2]).expand(3, 4))
+    seen = []
+    layer_step = cpu_kernels.kernels().layer_step
+    monkeypatch.setattr(half.model.layers[0].fused_weights().qkv.kernels, "layer_step",
+                        lambda x, *args, **kw: seen.append(tuple(x.shape)) or layer_step(x, *args, **kw), raising=False)
+    outs = []
+    with torch.inference_mode():
+        for packs in (True, False):
+            if not packs:
+                monkeypatch.setattr(transformer.Transformer, "_packed", lambda *args: None)
+            cache = half.new_cache(3)
+            half(ids[:, :6], cache=cache)
+            cache.rollback(torch.tensor([6, 3, 5]))
+            extra = dict(masks)
+            if tree:
+                extra["position_ids"] = cache.lengths[:, None] + masks["position_ids"]
+            out = half(ids[:, 6:10], attention_mask=real, cache=cache, output_layers=(0,), **extra)
+            outs.append((out.logits[real], out.hidden_states[real], out.layer_states[0][real], cache.lengths.clone()))
+    H = half.config.hidden_size  # two layers each: prefill, packed real tokens; prefill, padded rows
+    assert seen == [(3, 6, H)] * 2 + [(8, H)] * 2 + [(3, 6, H)] * 2 + [(3, 4, H)] * 2
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -148,22 +148,31 @@ def _qk_normed(fused: FusedWeights, qk: torch.Tensor) -> torch.Tensor:
     return kernels.rms_norm(qk.reshape(B * T, heads, D), fused.qk_norm_f32, fused.qk_eps).view(B, T, heads, D)
 
 
+def on_layer_step(fused: FusedWeights, cache, mask: torch.Tensor | None, cos: torch.Tensor) -> bool:
+    """Whether `fused_layer_step` runs the whole layer in one call of the kernels (cached forwards of a bf16
+    model on tlt's CPU kernels), the step that also takes packed tokens."""
+    return (fused.on_kernels and cache is not None and cache.dtype in (torch.float32, torch.bfloat16)
+            and fused.head_dim <= cpu_kernels.MAX_HEAD_DIM
+            and (mask is None or mask.dtype == torch.float32) and cos.dtype == torch.bfloat16)
+
+
 def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     mask: torch.Tensor | None, cache, index: int) -> torch.Tensor:
+                     mask: torch.Tensor | None, cache, index: int, counts: torch.Tensor | None = None) -> torch.Tensor:
     """`DecoderLayer.forward` (same arguments, same result up to rounding) on the layer's `fused`
-    weights; x [B, T, hidden]."""
+    weights; x [B, T, hidden], or with `counts` [B] the packed [N, hidden] first counts[b] tokens of each
+    row (`on_layer_step` only)."""
     H, Hkv, D = fused.heads, fused.kv_heads, fused.head_dim
+    if on_layer_step(fused, cache, mask, cos):
+        # The whole layer in one call of the kernels (the operators below, without a Python call each).
+        keys, values, S = cache.buffers(index, cos.shape[1])
+        return fused.qkv.kernels.layer_step(
+            x.contiguous(), -1.0 if fused.input_eps is None else fused.input_eps, fused.weights, fused.sizes,
+            fused.biases, fused.scales, H, fused.qk_norm_f32, fused.qk_eps, fused.post_eps, cos, sin, keys, values,
+            cache.lengths, S, mask, cache.paired, counts)
+    if counts is not None:
+        raise ValueError("fused_layer_step: packed tokens (counts) run on the kernels' layer step only")
     B, T, hidden = x.shape
     kernels = fused.qkv.kernels
-    if (fused.on_kernels and cache is not None and cache.dtype in (torch.float32, torch.bfloat16)
-            and D <= cpu_kernels.MAX_HEAD_DIM
-            and (mask is None or mask.dtype == torch.float32) and cos.dtype == torch.bfloat16):
-        # The whole layer in one call of the kernels (the operators below, without a Python call each).
-        keys, values, S = cache.buffers(index, T)
-        return kernels.layer_step(x.contiguous(), -1.0 if fused.input_eps is None else fused.input_eps,
-                                  fused.weights, fused.sizes, fused.biases, fused.scales, H, fused.qk_norm_f32,
-                                  fused.qk_eps, fused.post_eps, cos, sin, keys, values, cache.lengths, S, mask,
-                                  cache.paired)
     x2 = x.reshape(B * T, hidden)
     qkv = fused.qkv(x2 if fused.input_eps is None else _normed(x2, fused.input_eps, kernels)).view(B, T, H + 2 * Hkv, D)
     qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]

@@ -30,7 +30,7 @@ from torch import nn
 
 from tlt.model.attention import attend
 from tlt.model.config import ModelConfig
-from tlt.model.fused import FusedWeights, fused_layer_step, parameters_of, uses_fused_step
+from tlt.model.fused import FusedWeights, fused_layer_step, on_layer_step, parameters_of, uses_fused_step
 from tlt.model.kv_cache import KVCache, mask_dtype
 from tlt.model.layout import ColumnMajorLinears, column_major_linears
 from tlt.model.packed import Prepared, inference_linear
@@ -124,9 +124,11 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"bits must be 4 or 16, got {bits!r}")
         self.weight_bits, self._fused = bits, Prepared()
 
-    def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
-        if uses_fused_step(x):
-            return fused_layer_step(self.fused_weights(), x, cos, sin, mask, cache, layer)
+    def forward(self, x, cos, sin, mask, cache, layer, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, hidden]; with `counts` [B] the packed tokens [N, hidden] of `fused_layer_step` (the
+        model packs only where `on_layer_step` holds)."""
+        if counts is not None or uses_fused_step(x):
+            return fused_layer_step(self.fused_weights(), x, cos, sin, mask, cache, layer, counts)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -203,6 +205,13 @@ def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, a
     return mask
 
 
+def _unpacked(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Packed tokens [N, hidden] back at their places in [B, T, hidden] (zeros at the padding)."""
+    out = x.new_zeros(*real.shape, x.shape[-1])
+    out[real] = x
+    return out
+
+
 class OnLMHead:
     """`dtype` and `device` of a module, read off its LM head (a Transformer, or a drafter's view of one)."""
 
@@ -275,12 +284,19 @@ class Transformer(ColumnMajorLinears, OnLMHead, nn.Module):
             bound = cache.max_length + T if position_ids is None else None
             mask = attention_mask_for(cache, T, tree_mask, attention_mask, mask_dtype(cache.dtype, cache.device))
         cos, sin = self.rope(position_ids_used, self.inv_freq, self.rope_scaling_factor, x.dtype, bound)
+        real = self._packed(x, cache, attention_mask, mask, cos)
+        counts = None
+        if real is not None:
+            x, counts = x[real], real.sum(1)  # [N, hidden]: the real tokens only
         wanted = set(output_layers)
         layer_states = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x = layer(x, cos, sin, mask, cache, i, counts)
             if i in wanted:
                 layer_states[i] = x
+        if real is not None:
+            x = _unpacked(x, real)
+            layer_states = {i: _unpacked(state, real) for i, state in layer_states.items()}
         if cache is not None:
             cache.advance(attention_mask.long().sum(1) if attention_mask is not None else T)
         hidden = self.model.norm(x)  # [B, T, H]
@@ -288,6 +304,23 @@ class Transformer(ColumnMajorLinears, OnLMHead, nn.Module):
             hidden, 1, logit_index[..., None].expand(-1, -1, hidden.shape[-1])
         )
         return ModelOutput(self.head(picked), hidden, layer_states)
+
+    def _packed(self, x, cache, attention_mask, mask, cos) -> torch.Tensor | None:
+        """The real tokens [B, T] of a cached forward whose rows are right-padded (a batch of drafts of
+        different sizes, of prompts of different lengths) when every layer runs the kernels' layer step:
+        the layers then take only those tokens (`DecoderLayer.forward`'s counts), so padding costs no
+        products. None otherwise: the layers take [B, T] as it is."""
+        if cache is None or attention_mask is None or not uses_fused_step(x):
+            return None
+        real = attention_mask.bool()
+        counts = real.sum(1)
+        if int(counts.sum()) == real.numel():
+            return None
+        if not bool((real == (torch.arange(real.shape[1], device=real.device) < counts[:, None])).all()):
+            return None  # padding inside a row: not the layer step's layout
+        if not all(on_layer_step(layer.fused_weights(), cache, mask, cos) for layer in self.model.layers):
+            return None
+        return real
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits [..., V] of features [..., H] (on prepacked weights without gradients)."""

@@ -1033,7 +1033,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, dou
 // weighted_values' paired layout (slot rows of D elements next to each other, S rounded up to even inside the
 // buffer).
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
-                        bool paired) {
+                        bool paired, c10::optional<torch::Tensor> counts) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kBFloat16 && q.stride(3) == 1,
               "attention: q must be [B, H, T, D] bf16 with contiguous rows");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == v.scalar_type() &&
@@ -1060,6 +1060,15 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     mp = mask->data_ptr<float>();
     mb = mask->stride(0);
     mt = mask->stride(2);
+  }
+  // counts [B]: row b's queries are its first counts[b] tokens (a batch of ragged drafts, right-padded); the
+  // others' outputs are left unwritten.
+  const int64_t* cp = nullptr;
+  if (counts && counts->defined()) {
+    TORCH_CHECK(counts->scalar_type() == torch::kLong && counts->dim() == 1 && counts->size(0) == B &&
+                counts->is_contiguous(), "attention: counts must be [B] int64");
+    cp = counts->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(cp[b] >= 0 && cp[b] <= T, "attention: counts[", b, "] outside [0, T]");
   }
   auto out = torch::empty({B, T, H * D}, q.options());
   auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -1103,9 +1112,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     split.resize(R);
     outs.resize(R);
     for (int64_t i; (i = take()) >= 0;) {
-      int64_t b = i / Hkv, j = i % Hkv;
-      for (int64_t r = 0; r < R; ++r) {
-        int64_t h = j * group + r / T, t = r % T;
+      int64_t b = i / Hkv, j = i % Hkv, Tb = cp ? cp[b] : T, Rb = group * Tb;
+      if (Rb == 0) continue;
+      for (int64_t r = 0; r < Rb; ++r) {
+        int64_t h = j * group + r / Tb, t = r % Tb;
         std::memcpy(&qb[r * Dq], qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), D * 2);
         masks[r] = mp ? mp + b * mb + t * mt : nullptr;
         visible[r] = mp ? limits[b * T + t] : S - T + t + 1;
@@ -1115,17 +1125,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const char* kh = kp + (b * k.stride(0) + j * k.stride(1)) * item;
       const char* vh = vp + (b * v.stride(0) + j * v.stride(1)) * item;
       if (paired)
-        ATTEND<uint16_t, true>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
+        ATTEND<uint16_t, true>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                               reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
                                               visible.data(), split.data(), D, scale, scores.data(), packed.data(),
                                               outs.data(), tiles);
       else if (half)
-        ATTEND<uint16_t>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
+        ATTEND<uint16_t>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                         reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
                                         visible.data(), split.data(), D, scale, scores.data(), packed.data(),
                                         outs.data(), tiles);
       else
-        ATTEND<float>[(D + 15) / 16](qb.data(), Dq, R, reinterpret_cast<const float*>(kh), k.stride(2),
+        ATTEND<float>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const float*>(kh), k.stride(2),
                                      reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), visible.data(),
                                      split.data(), D, scale, scores.data(), packed.data(), outs.data(), tiles);
     }
@@ -1358,34 +1368,60 @@ void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor k
 // [B or 1, T, (1,) D]; keys, values the layer's cache buffers with room for T more per row, slots [B] the
 // rows' lengths, S the slots attention reads; mask as attention's over those S slots; paired: the values in
 // attention's paired layout.
+// One decoder layer. x [B, T, hidden], or packed [N, hidden] with counts [B] (N = sum of counts): row b's first
+// counts[b] tokens, rows in order, the rest of its T (cos.size(1)) padding. Packed, the products run over the N
+// real tokens only; rope_write and the cache see them at their places in [B, T] (padding as zeros) and the
+// attention computes only their queries. Each token's result is the same bit for bit either way.
 torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::Tensor> weights,
                          std::vector<int64_t> sizes, std::vector<c10::optional<torch::Tensor>> biases,
                          std::vector<c10::optional<torch::Tensor>> scales, int64_t H,
                          c10::optional<torch::Tensor> qk_norm, double qk_eps, double post_eps, torch::Tensor cos,
                          torch::Tensor sin, torch::Tensor keys, torch::Tensor values, torch::Tensor slots, int64_t S,
-                         c10::optional<torch::Tensor> mask, bool paired) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "layer_step: x must be [B, T, hidden], contiguous");
+                         c10::optional<torch::Tensor> mask, bool paired, c10::optional<torch::Tensor> counts) {
+  bool packed = counts && counts->defined();
+  TORCH_CHECK(x.dim() == (packed ? 2 : 3) && x.is_contiguous(),
+              packed ? "layer_step: packed x must be [N, hidden], contiguous"
+                     : "layer_step: x must be [B, T, hidden], contiguous");
   TORCH_CHECK(weights.size() == 4 && sizes.size() == 4 && biases.size() == 4 && scales.size() == 4,
               "layer_step: four products expected");
-  int64_t B = x.size(0), T = x.size(1), hidden = x.size(2), D = keys.size(3);
-  TORCH_CHECK(S <= keys.size(2), "layer_step: S past the cache buffers");
   if (cos.dim() == 4) cos = cos.select(2, 0), sin = sin.select(2, 0);  // rope tables [B or 1, T, 1, D]
-  auto x2 = x.view({B * T, hidden});
+  int64_t B = packed ? slots.size(0) : x.size(0), T = packed ? cos.size(1) : x.size(1);
+  int64_t hidden = x.size(-1), D = keys.size(3);
+  TORCH_CHECK(S <= keys.size(2), "layer_step: S past the cache buffers");
+  torch::Tensor rows;  // packed: each token's index in [B * T]
+  if (packed) {
+    TORCH_CHECK(counts->scalar_type() == torch::kLong && counts->dim() == 1 && counts->size(0) == B,
+                "layer_step: counts must be [B] int64");
+    auto cnt = counts->contiguous();
+    rows = torch::empty({x.size(0)}, cnt.options());
+    auto rp = rows.data_ptr<int64_t>();
+    auto np = cnt.data_ptr<int64_t>();
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(np[b] >= 0 && np[b] <= T && n + np[b] <= x.size(0), "layer_step: counts disagree with x and T");
+      for (int64_t t = 0; t < np[b]; ++t) rp[n++] = b * T + t;
+    }
+    TORCH_CHECK(n == x.size(0), "layer_step: x has ", x.size(0), " rows, counts sum to ", n);
+  }
+  auto x2 = x.view({-1, hidden});
   auto normed = input_eps < 0 ? x2 : rms_norm(x2.unsqueeze(0), c10::nullopt, input_eps).squeeze(0);
   auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt, scales[0]);
+  if (packed) qkv = torch::zeros({B * T, sizes[0]}, qkv.options()).index_copy_(0, rows, qkv);
   auto q = rope_write(qkv.view({B, T, sizes[0] / D, D}), H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired);
   auto ks = keys.narrow(2, 0, S), vs = values.narrow(2, 0, S);
-  auto attended = attention(q, ks, vs, mask, paired).view({B * T, -1});
+  auto attended = attention(q, ks, vs, mask, paired, counts).view({B * T, -1});
+  if (packed) attended = attended.index_select(0, rows);
   auto h = linear(attended, weights[1], sizes[1], biases[1], x2, scales[1]);
   auto gate_up = linear(rms_norm(h.unsqueeze(0), c10::nullopt, post_eps).squeeze(0), weights[2], sizes[2], biases[2],
                         c10::nullopt, scales[2]);
-  return linear(silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view({B, T, hidden});
+  return linear(silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view(x.sizes());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, py::arg("qkv"), py::arg("H"), py::arg("norm"), py::arg("eps"), py::arg("cos"),
         py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("paired") = false);
-  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("paired") = false);
+  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("paired") = false,
+        py::arg("counts") = py::none());
   m.def("supported", &supported);
   m.def("amx", &amx);
   m.def("set_amx", &set_amx);
@@ -1398,5 +1434,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_step", &layer_step, py::arg("x"), py::arg("input_eps"), py::arg("weights"), py::arg("sizes"),
         py::arg("biases"), py::arg("scales"), py::arg("H"), py::arg("qk_norm"), py::arg("qk_eps"), py::arg("post_eps"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("S"),
-        py::arg("mask"), py::arg("paired") = false);
+        py::arg("mask"), py::arg("paired") = false, py::arg("counts") = py::none());
 }
