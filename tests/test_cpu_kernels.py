@@ -552,6 +552,14 @@ def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(
         caches.append(cache)
     assert outs[1].shape == (int(counts.sum()), hidden)
     assert torch.equal(outs[0], outs[1])
+    cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16, paired=pair)  # the kernels one at a time, packed too
+    cache.reserve(C)
+    cache.store.normal_(generator=torch.Generator().manual_seed(57))
+    cache.lengths = lengths.clone()
+    keys, values, S = cache.buffers(0, T)
+    ops = cpu_kernels.layer_step_ops(kernels, x[real].contiguous(), *args[:11], keys, values, cache.lengths, S,
+                                     *args[15:], counts)
+    assert torch.equal(ops, outs[1]) and torch.equal(cache.store, caches[1].store)
     for b in range(B):
         slots = slice(0, int(lengths[b] + counts[b]))
         assert torch.equal(caches[0].keys[0][b, :, slots], caches[1].keys[0][b, :, slots])

@@ -163,19 +163,27 @@ def unpack4(packed: torch.Tensor, scales: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def layer_step_ops(module, x, input_eps, weights, sizes, biases, scales, H, qk_norm, qk_eps, post_eps, cos, sin,
-                   keys, values, slots, S, mask, paired=False):
-    """The compiled `layer_step` as its kernels called one at a time from Python (the same bits): what
-    `tlt bench roofline` times call by call to split a step into products and attention."""
-    B, T, hidden = x.shape
-    D = keys.shape[3]
-    x2 = x.view(B * T, hidden)
-    normed = x2 if input_eps < 0 else module.rms_norm(x2[None], None, input_eps)[0]
-    qkv = module.linear(normed, weights[0], sizes[0], biases[0], None, scales[0]).view(B, T, sizes[0] // D, D)
+                   keys, values, slots, S, mask, paired=False, counts=None):
+    """The compiled `layer_step` as its kernels called one at a time from Python (the same bits, packed
+    tokens with `counts` too): what `tlt bench roofline` times call by call to split a step into products
+    and attention."""
     if cos.dim() == 4:
         cos, sin = cos[:, :, 0], sin[:, :, 0]
-    q = module.rope_write(qkv, H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired)
-    attended = module.attention(q, keys[:, :, :S], values[:, :, :S], mask, paired).view(B * T, -1)
+    B, T, hidden = (len(slots), cos.shape[1], x.shape[-1]) if counts is not None else x.shape
+    D = keys.shape[3]
+    x2 = x.reshape(-1, hidden)
+    rows = None
+    if counts is not None:  # each real token's place in [B * T]
+        rows = (torch.arange(T) < counts[:, None]).flatten().nonzero()[:, 0]
+    normed = x2 if input_eps < 0 else module.rms_norm(x2[None], None, input_eps)[0]
+    qkv = module.linear(normed, weights[0], sizes[0], biases[0], None, scales[0])
+    if rows is not None:
+        qkv = qkv.new_zeros(B * T, sizes[0]).index_copy_(0, rows, qkv)
+    q = module.rope_write(qkv.view(B, T, sizes[0] // D, D), H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired)
+    attended = module.attention(q, keys[:, :, :S], values[:, :, :S], mask, paired, counts).view(B * T, -1)
+    if rows is not None:
+        attended = attended.index_select(0, rows)
     h = module.linear(attended, weights[1], sizes[1], biases[1], x2, scales[1])
     gate_up = module.linear(module.rms_norm(h[None], None, post_eps)[0], weights[2], sizes[2], biases[2], None,
                             scales[2])
-    return module.linear(module.silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view(B, T, hidden)
+    return module.linear(module.silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view(x.shape)
