@@ -112,13 +112,13 @@ from tlt.speculative.strategy import Strategy
 # given equal logits), not merely samples of the same distribution: a tlt RL run is the baseline run,
 # faster. Chains with speculative sampling ("chain-d4") keep the distribution but draw other samples;
 # they stay available as arms. The trees cover the batch sizes where drafting pays: the deep
-# tree-d8-k2-v8 where a drafter trained on its own features keeps whole chains right (the bench policy's
-# 16 x 8 rollout: 6.3 tokens accepted a step, 1.97x plain decoding fixed, the tuner 1.91x; with 12 nodes,
-# tree-d8-k2-v12, 6.65 accepted at 1.48x: the 4 more nodes a row add 50% to the verification at 9-64
-# live rows for 5% more tokens, docs/results/bench_rollout_deep_v8.json), tree-d4-k2-v8 where it does
-# not; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4 at less cost; off wins at large batch
-# (`tlt bench speculative --strategies ...` compares shapes). n-gram drafting stays for cold start and
-# for the loops a sampled policy falls into.
+# tree-d8-k2-v8 where a drafter trained on its own features keeps whole chains right (the bench
+# policy's 16 x 8 rollout: 6.3 tokens accepted a step, 1.94-1.97x plain decoding fixed, the tuner
+# 1.91x and 2.09x in two runs; tree-d8-k2-v12 accepts 6.65 at 1.48x and 1.75x: its 4 more nodes a row
+# add 44% to the verification's tokens for 5% more accepted, docs/results/bench_rollout_deep_v8*.json),
+# tree-d4-k2-v8 where it does not; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4 at less
+# cost; off wins at large batch (`tlt bench speculative --strategies ...` compares shapes). n-gram
+# drafting stays for cold start and for the loops a sampled policy falls into.
 DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d8-k2-v8")
 
 STATE_VERSION = 4  # version 1 holds no step times, 1-2 no batch sizes, 1-3 no runs; all load without them
