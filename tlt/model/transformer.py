@@ -13,7 +13,8 @@ load and save without a name map.
     they attend to the cache plus, among themselves, what `tree_mask` [T, T] or [B, T, T] allows
     (causal when None: a tree draft passes its ancestor matrix). A `tree_mask` of width D + T also
     masks the last D cached tokens (a drafter expanding a tree level by level). `attention_mask` [B, T] marks real new
-    tokens, right-padded (a batch of prompts of different lengths prefilled at once).
+    tokens, right-padded (a batch of prompts of different lengths prefilled at once, drafts of different sizes);
+    on tlt's CPU kernels the layers then run on the real tokens only (`Transformer._packed`).
 Both return `ModelOutput`: logits (optionally only at `logit_index`), the last-layer hidden states after
 the final norm (the feature f of EAGLE drafters: lm_head(f) gives the logits) and, on request, the outputs
 of chosen intermediate layers (EAGLE-3 style low/mid/high features).
