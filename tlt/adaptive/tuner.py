@@ -113,7 +113,7 @@ from tlt.speculative.strategy import Strategy
 # faster. Chains with speculative sampling ("chain-d4") keep the distribution but draw other samples;
 # they stay available as arms. The trees cover the batch sizes where drafting pays: the deep
 # tree-d8-k2-v8 where a drafter trained on its own features keeps whole chains right (the bench
-# policy's 16 x 8 rollout: 6.3 tokens accepted a step, 1.93-2.05x plain decoding fixed, the tuner
+# policy's 16 x 8 rollout: 6.3 tokens accepted a step, 1.94-2.05x plain decoding fixed, the tuner
 # 1.80-2.09x in three runs; tree-d8-k2-v12 accepts 6.65 at 1.46-1.75x: its 4 more nodes a row
 # add 44% to the verification's tokens for 5% more accepted, docs/results/bench_rollout_deep_v8*.json),
 # tree-d4-k2-v8 where it does not; the top-1 chain tree-d4-k1-v4 accepts as much as chain-d4 at less
