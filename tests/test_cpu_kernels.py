@@ -536,12 +536,17 @@ def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(
     C = 16
     keys_seen = torch.arange(C) < lengths[:, None, None] + torch.arange(T)[:, None] + 1  # causal over new tokens
     mask = torch.zeros(B, 1, T, C).masked_fill_(~keys_seen[:, None], float("-inf"))
-    outs, caches = [], []
-    for packed_tokens in (False, True):
+
+    def filled_cache():
         cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16, paired=pair)
         cache.reserve(C)
         cache.store.normal_(generator=torch.Generator().manual_seed(57))
         cache.lengths = lengths.clone()
+        return cache
+
+    outs, caches = [], []
+    for packed_tokens in (False, True):
+        cache = filled_cache()
         keys, values, S = cache.buffers(0, T)
         args = (1e-6, packs, sizes, [None] * 4, [None] * 4, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
                 cache.lengths, S, mask[..., :S].contiguous(), pair)
@@ -552,10 +557,7 @@ def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(
         caches.append(cache)
     assert outs[1].shape == (int(counts.sum()), hidden)
     assert torch.equal(outs[0], outs[1])
-    cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16, paired=pair)  # the kernels one at a time, packed too
-    cache.reserve(C)
-    cache.store.normal_(generator=torch.Generator().manual_seed(57))
-    cache.lengths = lengths.clone()
+    cache = filled_cache()  # the kernels one at a time, packed too
     keys, values, S = cache.buffers(0, T)
     ops = cpu_kernels.layer_step_ops(kernels, x[real].contiguous(), *args[:11], keys, values, cache.lengths, S,
                                      *args[15:], counts)

@@ -1086,14 +1086,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   int64_t Dq = tiles ? (D + 31) / 32 * 32 : D;
   // Where each query row's weighted sum leaves the tiles (tile_split): once a row and token, not a kv head.
   bool direct = paired && tiles && D % 16 == 0;
+  // Query rows past a row's counts are padding: no task reads their split or limit.
+  auto real = [cp, T](int64_t i) { return !cp || i % T < cp[i / T]; };
   std::vector<int64_t> splits(direct ? B * T : 0);
   for (int64_t i = 0; i < (direct ? B * T : 0); ++i)
-    splits[i] = tile_split(mp ? mp + i / T * mb + i % T * mt : nullptr, mp ? S : S - T + i % T + 1);
+    if (real(i)) splits[i] = tile_split(mp ? mp + i / T * mb + i % T * mt : nullptr, mp ? S : S - T + i % T + 1);
   // Under a mask, the keys a query row may see end at its last unmasked one: a shorter row of the batch (a cache's
   // rows have different lengths) reads and weighs only its own slots, not the longest row's. The keys past it
   // would add exact zeros (their weights), so the results are the same bit for bit, at less work.
   std::vector<int64_t> limits(mp ? B * T : 0);
-  for (int64_t i = 0; i < (mp ? B * T : 0); ++i) limits[i] = visible_end(mp + i / T * mb + i % T * mt, S);
+  for (int64_t i = 0; i < (mp ? B * T : 0); ++i)
+    if (real(i)) limits[i] = visible_end(mp + i / T * mb + i % T * mt, S);
   parallel_tasks(B * Hkv, [&](const auto& take) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
     thread_local std::vector<float> scores;
@@ -1361,15 +1364,14 @@ void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor k
 }
 
 // One decoder layer's inference step on the packed weights of tlt/model/fused.py's FusedWeights, the
-// operators fused_layer_step calls one by one, in one call: x [B, T, hidden] bf16 contiguous;
+// operators fused_layer_step calls one by one, in one call: x [B, T, hidden] bf16 contiguous (or packed, below);
 // input_eps < 0: no input norm (a drafter's layer); weights[i] packed for linear, sizes[i] its N,
 // biases[i] float32 or undefined, scales[i] those of 4-bit weights or undefined, for i = q|k|v, o, gate|up,
 // down; qk_norm as rope_write's; cos, sin
 // [B or 1, T, (1,) D]; keys, values the layer's cache buffers with room for T more per row, slots [B] the
 // rows' lengths, S the slots attention reads; mask as attention's over those S slots; paired: the values in
-// attention's paired layout.
-// One decoder layer. x [B, T, hidden], or packed [N, hidden] with counts [B] (N = sum of counts): row b's first
-// counts[b] tokens, rows in order, the rest of its T (cos.size(1)) padding. Packed, the products run over the N
+// attention's paired layout. With counts [B] x is packed, [N, hidden] (N = sum of counts): row b's first
+// counts[b] tokens, rows in order, the rest of its T (cos.size(1)) padding. The products then run over the N
 // real tokens only; rope_write and the cache see them at their places in [B, T] (padding as zeros) and the
 // attention computes only their queries. Each token's result is the same bit for bit either way.
 torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::Tensor> weights,
