@@ -357,6 +357,27 @@ def test_attention_over_paired_values(D, S):
 
 
 @needs_kernels
+@pytest.mark.parametrize("D", [16, 32, 48, 64, 128])
+def test_attention_over_paired_values_gives_each_query_its_own_bits_at_any_query_count(D):
+    """Over a bf16 cache with paired values, 2, 18 and 34 query rows a kv head (a step, a 9-token draft and a
+    17-token one, two heads a kv head: one, two and three blocks of 16 queries on AMX tiles, with the last 32
+    dimensions whole or half a tile): every query's row is the bits it gets alone."""
+    gen = torch.Generator().manual_seed(D)
+    B, H, Hkv, S = 2, 4, 2, 150
+    keys = torch.randn(B, Hkv, S, D, generator=gen).bfloat16()
+    values = paired(torch.randn(B, Hkv, S, D, generator=gen).bfloat16())
+    for T in (9, 17):
+        q = torch.randn(B, H, T, D, generator=gen).bfloat16()
+        allowed = torch.rand(B, 1, T, S, generator=gen) > 0.2
+        allowed[..., S - T:] |= torch.eye(T, dtype=torch.bool)
+        mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+        out = kernels.attention(q, keys, values, mask, True)
+        for t in (0, T // 2, T - 1):
+            alone = kernels.attention(q[:, :, t:t + 1], keys, values, mask[:, :, t:t + 1], True)
+            assert torch.equal(alone[:, 0], out[:, t]), (T, t)
+
+
+@needs_kernels
 @pytest.mark.parametrize("n", [15, 16, 31, 33, 64, 124, 156, 200])
 @pytest.mark.parametrize("group,half,pair", [(2, True, False), (8, True, False), (8, False, False), (2, True, True),
                                              (8, True, True)])

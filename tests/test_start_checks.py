@@ -277,11 +277,12 @@ def test_a_run_whose_config_json_has_the_flat_keys_of_the_previous_release_resum
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config = resume_config(tmp_path, ["steps=5"])
-    # the run keeps the arms and buckets it was started with (the defaults of that release)
+    # the run keeps the arms, buckets and exploration it was started with (the defaults of that release)
     assert config == override(TrainConfig(), {"steps": 5, "optim.lr": 0.01, "drafter.train": "off",
                                               "tuner.epsilon": 0.5, "eval.every": 5, "log.wandb_project": "p",
                                               "tuner.arms": tuple(flat["tuner_arms"]),
-                                              "tuner.buckets": tuple(flat["tuner_buckets"])})
+                                              "tuner.buckets": tuple(flat["tuner_buckets"]),
+                                              "tuner.explore": flat["tuner_explore"]})
     run = tmp_path / "run"
     args = cli_args(model_dir)
     assert main(["train", "--out", str(run), *args]) == 0

@@ -1,4 +1,5 @@
-"""BEG-MAB: the bucketed epsilon-greedy multi-armed bandit that picks each decode step's strategy.
+"""The bucketed multi-armed bandit that picks each decode step's strategy: TLT's BEG-MAB (bucketed
+epsilon-greedy), with upper confidence bounds in place of epsilon draws by default.
 
 Arms are `Strategy` objects, named in the config ("off", "ngram-d4", "tree-d6-k4-v24", ...) and in
 `stats()` and `state_dict()`, the tuner's JSON. What an arm earns depends mostly on
@@ -10,37 +11,51 @@ catches everything larger. The default, powers of two to 256, gives buckets 1 | 
 wins changes within such a span (the bench policy's 16 x 8 rollout: trees win up to about 40 live rows,
 plain decoding from about 64).
 
-Inside a bucket, `choose` is epsilon-greedy:
+Inside a bucket, `choose` runs:
 1. Untried arms first, in config order (an untried arm scores +inf), so every arm is measured once
    before any is trusted.
-2. With probability `epsilon` / `explore_run`, an exploration draw: a uniformly random arm (the greedy
-   one included), which then runs for `explore_run` steps of the bucket (so about `epsilon` of the steps
-   explore). With `explore="cost"` (the default) a drawn arm whose steps take longer than the greedy
-   arm's runs only with probability seconds(greedy) / seconds(arm), the median step times of the two
-   in the bucket, and the step is greedy otherwise; `explore="uniform"` always runs it (textbook
-   epsilon-greedy). Without step times (`update` called without `seconds`) the reward ratio
-   score(arm) / score(greedy) stands in: the two agree when every arm emits the same tokens per step.
+2. Exploration. With `explore="ucb"` (the default) the arm of the highest upper bound
+   log score + ucb x spread x sqrt(ln n / n_arm), where n_arm is the decayed weight of the arm's rewards
+   (their count when decay = 1), n the candidates' together, and spread the bucket's robust spread of one
+   step's log reward about its arm's median (1.4826 x the median absolute deviation, refitted with the row
+   slope); `epsilon` is unused. With `explore="cost"` or `"uniform"`, with probability `epsilon` /
+   `explore_run` an exploration draw: a uniformly random arm (the greedy one included); under "cost" a
+   drawn arm whose steps take longer than the greedy arm's runs only with probability seconds(greedy) /
+   seconds(arm), the median step times of the two in the bucket, and the step is greedy otherwise; under
+   "uniform" it always runs (textbook epsilon-greedy). Without step times (`update` called without
+   `seconds`) the reward ratio score(arm) / score(greedy) stands in: the two agree when every arm emits
+   the same tokens per step. An explored arm runs for `explore_run` steps of the bucket.
 3. Otherwise the arm with the best score, ties going to the arm listed first.
 An untried arm also runs for `explore_run` steps.
+
+Why upper bounds. Epsilon explores at a flat rate: plain decoding at 25 live rows under a good drafter,
+2.5x below the greedy deep tree, is re-measured as often as a rival within 10% of it, and every exploration
+step also costs the greedy arm's next step its footing (below). Under the bound an arm far below the greedy
+one waits until its rewards have decayed before it is measured again, a close rival is measured often, and
+decay keeps any arm's bound from closing for good while the drafter changes (the discounted UCB of
+non-stationary bandits). Bench policy, 16 x 8 rollout, side by side in three runs: 1.93x, 1.95x and 1.76x plain
+decoding against 1.73x, 1.81x and 1.86x for "cost" at epsilon 0.1; nine rollouts each pooled, 2.05x against
+1.86x (docs/results/bench_rollout_ucb*.json).
 
 Runs, and the step after a switch (`explore_run`). What a step earns depends on the arm before it: a
 step starts where the previous one's accepted path ended, and a deep tree run step after step settles
 where its drafts fail (in the bench task, at the digit a chain step computes) and spans what follows,
 while its first step after a shallow arm starts anywhere (bench policy, 16 x 8 rollout, 9-32 live rows:
 tree-d8-k2-v12 accepts 5.8 tokens a row on its first step after tree-d4-k1-v4 steps, 7.5 on the next
-three, 7.7 in a rollout of its own). A bandit that explores single steps would measure every arm in the
-greedy arm's place and rank it below what running it would give. So an exploration keeps its arm for a
-run of steps, and a step whose arm differs from the bucket's previous step's (any arm, greedy too) is
-not scored; its step time still counts for `explore="cost"`. explore_run = 1 (the default) explores single
-steps and scores every step: on the bench rollout, runs started at epsilon / N explored the slow deep tree
-three times in four rollouts at 17-32 rows, too rarely to overtake the greedy arm, and N = 4 or 8 ran no
-faster (docs/results/bench_rollout_explore_runs.json).
+three, 7.7 in a rollout of its own). A bandit that explores single steps measures every arm in the
+greedy arm's place and ranks it below what running it would give. So an exploration can keep its arm for
+a run of steps, and a step whose arm differs from the bucket's previous step's (any arm, greedy too) is
+then not scored; its step time still counts for `explore="cost"`. explore_run = 1 (the default) explores
+single steps and scores every step: on the bench rollout, epsilon draws in runs of N = 4 or 8 ran no
+faster (docs/results/bench_rollout_explore_runs.json), nor did upper bounds with runs of 2 (1.76x against
+1.93x at runs of 1, in the first of the two runs above).
 
 Why "cost": at large batch one step of a slow arm (a tree verification of 128 rows, plus the drafter's
 catch-up over the pairs the plain steps queued) costs many plain steps, so uniform exploration there
 can cost more than speculation saves. Weighting each draw by the step-time ratio caps what a draw
 costs at about one greedy step's time, however slow the arm, while arms about as fast as the greedy
 one, the only ones that can overtake it, run at the full rate.
+
 Only arms not pruned from the bucket and accepted by the caller's `allowed` predicate compete: the
 engine uses it for a memory guard (draft tokens x batch) and to drop drafter arms when no drafter is
 loaded.
@@ -69,7 +84,7 @@ upward. Two mechanisms follow it:
   say halves every ln 2 / -ln(decay) bucket steps (the default 0.99: about 69).
 The clock is the bucket's, not the arm's. The greedy arm is rewarded nearly every step, so it forgets
 at that rate whatever the clock. An arm that is only explored now and then carries old rewards, spaced
-about (arms / epsilon) steps apart, so its next exploration sample outweighs its stale history: an
+far apart (about arms / epsilon steps under epsilon draws), so its next exploration sample outweighs its stale history: an
 arm that was poor under last step's drafter is re-judged on fresh evidence instead of having to
 re-fill half its window at the exploration rate first. Weights only matter relative to each other
 (the median is unchanged when all weights are scaled), so an arm's score changes only when its own
@@ -77,7 +92,7 @@ window does (or the bucket's row slope), and is cached.
 
 Pruning. Once an arm and the bucket's best arm both have at least `prune_after` rewards in their
 windows, an arm whose plain window median is below `prune_ratio` x the best plain median is pruned
-from that bucket for good: it is neither exploited nor explored there again, which stops epsilon from
+from that bucket for good: it is neither exploited nor explored there again, which stops exploration from
 paying for a shape that cannot win (a 48-node tree at batch 32). Pruning is permanent, so it compares
 undecayed medians over whole windows rather than the decayed scores, which for a rarely explored arm
 rest on its last few rewards. Each pruning is reported through `log` and recorded in `stats()`.
@@ -122,7 +137,7 @@ from tlt.speculative.strategy import Strategy
 DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d8-k2-v8")
 
 STATE_VERSION = 4  # version 1 holds no step times, 1-2 no batch sizes, 1-3 no runs; all load without them
-EXPLORE = ("cost", "uniform")
+EXPLORE = ("cost", "uniform", "ucb")
 STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 SLOPE_EVERY = 32  # rewards a bucket records between fits of its row slope (a fit reads every window)
 
@@ -132,13 +147,15 @@ class TunerConfig:
     buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64, 128, 256),
                                        "batch-size bucket bounds, each bucket its own bandit")
     arms: tuple[str, ...] = setting(DEFAULT_ARMS, "the strategies it picks from, 'off' among them")
-    epsilon: float = setting(0.1, "probability of an exploration draw")
+    epsilon: float = setting(0.1, "probability of an exploration draw (explore=cost or uniform)")
     window: int = setting(300, "rewards per arm and bucket the score is the median of")
     decay: float = setting(0.99, "weight of a reward per bucket step since it was earned (1: no forgetting)")
     seed: int | None = setting(0, "seed of the exploration draws")
     prune_after: int = setting(20, "rewards an arm and the best need before the arm can be pruned")
     prune_ratio: float = setting(0.5, "an arm below this fraction of the best's median is pruned (0: never)")
-    explore: str = setting("cost", "how exploration draws are weighed: cost (by step time) or uniform")
+    explore: str = setting("ucb", "how exploration is chosen: ucb (an upper confidence bound; epsilon unused), cost "
+                                  "(epsilon draws weighed by step time) or uniform (epsilon draws)")
+    ucb: float = setting(1.0, "explore=ucb: the bound's width, in the bucket's spreads of log reward")
     row_slope: bool = setting(True, "rank a bucket's arms as at one batch size, by a fitted slope of log reward "
                                     "on log live rows (false: raw rewards)")
     explore_run: int = setting(1, "steps an exploration draw (or an untried arm) keeps its arm; the step after a "
@@ -174,6 +191,7 @@ class TunerConfig:
         check_int(self, "prune_after", 1)
         check(self, "prune_ratio", 0 <= self.prune_ratio < 1, "in [0, 1)")
         check_choice(self, "explore", EXPLORE)
+        check(self, "ucb", self.ucb >= 0, ">= 0")
         check(self, "row_slope", isinstance(self.row_slope, bool), "true or false")
         check_int(self, "explore_run", 1)
 
@@ -228,13 +246,15 @@ class _Bucket:
         self.low = low  # its smallest batch size, where adjusted rewards are moved to
         self.clock = 0  # rewards recorded in this bucket; the stamp of the next one
         self.slope = 0.0  # of log reward on log rows, refitted every SLOPE_EVERY rewards (row_slope)
-        self.explored = 0  # choices made by the epsilon branch
+        self.spread = 0.0  # of an arm's log rewards about its median (explore="ucb"), refitted with the slope
+        self.explored = 0  # exploration choices: epsilon draws that ran, or bounds above the greedy arm's
         self.choices = {a: 0 for a in arms}
         self.windows = {a: deque(maxlen=window) for a in arms}  # arm -> deque of (stamp, reward, rows)
         self.logs = {a: deque(maxlen=window) for a in arms}  # arm -> (log reward, log rows or None), as windows
         self.pruned: dict[Strategy, dict] = {}
         self.seconds = {a: deque(maxlen=STEP_TIMES) for a in arms}  # arm -> recent step times
         self.summaries: dict[Strategy, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
+        self.weights: dict[Strategy, float] = {}  # arm -> sum of decay ** (newest stamp - stamp); as summaries
         self.run: tuple[Strategy, int] | None = None  # the arm of a run under way and its steps still to come (>= 1)
         self.last: Strategy | None = None  # the arm of the bucket's last step
 
@@ -280,7 +300,11 @@ class Tuner:
         else:
             untried = [a for a in candidates if not bucket.windows[a]]
             drawn = None
-            if not untried and self._rng.random() < self.config.epsilon / self.config.explore_run:
+            if untried:
+                pass
+            elif self.config.explore == "ucb":
+                drawn = self._upper(bucket, candidates)
+            elif self._rng.random() < self.config.epsilon / self.config.explore_run:
                 drawn = self._explore(bucket, candidates)
             arm = untried[0] if untried else drawn or self._greedy(bucket, candidates)
             left = self.config.explore_run if untried or drawn else 1
@@ -305,6 +329,32 @@ class Tuner:
         bucket.explored += 1
         return drawn
 
+    def _upper(self, bucket: _Bucket, candidates: list[Strategy]) -> Strategy | None:
+        """explore="ucb": the candidate of the highest upper bound on its log score, log score + ucb x spread x
+        sqrt(ln n / n_arm), n_arm its rewards' decayed weight (their count without decay) and n the candidates'
+        together; None when that is the greedy arm."""
+        greedy = self._greedy(bucket, candidates)
+        weights = {a: self._weight(bucket, a) for a in candidates}
+        total = sum(weights.values())
+        width = self.config.ucb * bucket.spread * math.sqrt(max(0.0, math.log(total)))
+
+        def upper(arm: Strategy) -> float:  # an arm whose weight has decayed to nothing is as if untried
+            return _log(self._score(bucket, arm)) + width / math.sqrt(weights[arm]) if weights[arm] > 0 else math.inf
+
+        best = max(candidates, key=upper)  # max keeps the first of equal bounds
+        if upper(best) <= upper(greedy):
+            return None
+        bucket.explored += 1
+        return best
+
+    def _weight(self, bucket: _Bucket, arm: Strategy) -> float:
+        """Decayed weight of the arm's rewards as of the bucket's clock: sum of decay ** (clock - 1 - stamp)."""
+        window = bucket.windows[arm]
+        if arm not in bucket.weights:
+            newest = window[-1][0]
+            bucket.weights[arm] = sum(self.config.decay ** (newest - s) for s, _, _ in window)
+        return bucket.weights[arm] * self.config.decay ** (bucket.clock - 1 - window[-1][0])
+
     def update(self, batch_size: int, arm: Strategy, reward: float, seconds: float | None = None) -> None:
         """Record the reward (accepted tokens per second) that `arm` earned on a step at `batch_size`,
         and the step's duration when given (what explore="cost" weighs exploration draws by)."""
@@ -323,12 +373,27 @@ class Tuner:
         bucket.record(arm, bucket.clock, float(reward), batch_size)
         bucket.clock += 1
         bucket.summaries.pop(arm, None)
+        bucket.weights.pop(arm, None)
         if self.config.row_slope and bucket.clock % SLOPE_EVERY == 0:
             slope = row_slope(list(bucket.logs.values()))
             if slope != bucket.slope:
                 bucket.slope = slope
                 bucket.summaries.clear()  # every arm's adjusted rewards moved
+        if self.config.explore == "ucb" and (bucket.clock < SLOPE_EVERY or bucket.clock % SLOPE_EVERY == 0):
+            bucket.spread = self._spread(bucket)
         self._prune(i)
+
+    def _spread(self, bucket: _Bucket) -> float:
+        """The bucket's robust spread of log rewards within an arm: 1.4826 x the median absolute deviation of
+        every (slope-adjusted) log reward from its arm's median, over arms with two rewards or more (0 with
+        none). Rewards of 0 do not count."""
+        deviations, base = [], math.log(bucket.low)
+        for arm in self.arms:
+            values = [y if x is None else y - bucket.slope * (x - base) for y, x in bucket.logs[arm] if y > -math.inf]
+            if len(values) >= 2:
+                middle = statistics.median(values)
+                deviations += [abs(v - middle) for v in values]
+        return 1.4826 * statistics.median(deviations) if deviations else 0.0
 
     def best(self, batch_size: int) -> Strategy | None:
         """The greedy arm of the bucket (unpruned, with rewards), or None before any reward arrives."""
@@ -421,6 +486,7 @@ class Tuner:
                 "median": {a.name: self._median(bucket, a) for a in tried},
                 "score": {a.name: self._score(bucket, a) for a in tried},
                 "row_slope": bucket.slope,
+                "spread": bucket.spread,
                 "best": best.name if best is not None else None,
                 "pruned": {a.name: dict(r) for a, r in bucket.pruned.items()},
             })
@@ -436,6 +502,7 @@ class Tuner:
             "buckets": [{
                 "clock": b.clock,
                 "slope": b.slope,
+                "spread": b.spread,
                 "explored": b.explored,
                 "choices": {a.name: n for a, n in b.choices.items()},
                 "windows": {a.name: [list(entry) for entry in w] for a, w in b.windows.items() if w},
@@ -462,6 +529,7 @@ class Tuner:
             bucket = self._bucket(i)
             bucket.clock, bucket.explored = int(saved_bucket["clock"]), int(saved_bucket["explored"])
             bucket.slope = float(saved_bucket.get("slope", 0.0))
+            bucket.spread = float(saved_bucket.get("spread", 0.0))
             bucket.choices.update({by_name[a]: int(n) for a, n in saved_bucket["choices"].items()})
             for name, window in saved_bucket["windows"].items():
                 for s, r, *rows in window:  # versions 1-2: (stamp, reward), no batch size
