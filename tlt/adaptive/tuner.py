@@ -48,7 +48,7 @@ a run of steps, and a step whose arm differs from the bucket's previous step's (
 then not scored; its step time still counts for `explore="cost"`. explore_run = 1 (the default) explores
 single steps and scores every step: on the bench rollout, epsilon draws in runs of N = 4 or 8 ran no
 faster (docs/results/bench_rollout_explore_runs.json), nor did upper bounds with runs of 2 (1.76x against
-1.93x at runs of 1, in the first of the two runs above).
+1.93x at runs of 1, in the first of the runs above).
 
 Why "cost": at large batch one step of a slow arm (a tree verification of 128 rows, plus the drafter's
 catch-up over the pairs the plain steps queued) costs many plain steps, so uniform exploration there
@@ -84,8 +84,8 @@ upward. Two mechanisms follow it:
   say halves every ln 2 / -ln(decay) bucket steps (the default 0.99: about 69).
 The clock is the bucket's, not the arm's. The greedy arm is rewarded nearly every step, so it forgets
 at that rate whatever the clock. An arm that is only explored now and then carries old rewards, spaced
-far apart (about arms / epsilon steps under epsilon draws), so its next exploration sample outweighs its stale history: an
-arm that was poor under last step's drafter is re-judged on fresh evidence instead of having to
+far apart (about arms / epsilon steps under epsilon draws), so its next exploration sample outweighs its
+stale history: an arm that was poor under last step's drafter is re-judged on fresh evidence instead of having to
 re-fill half its window at the exploration rate first. Weights only matter relative to each other
 (the median is unchanged when all weights are scaled), so an arm's score changes only when its own
 window does (or the bucket's row slope), and is cached.
@@ -301,7 +301,7 @@ class Tuner:
             untried = [a for a in candidates if not bucket.windows[a]]
             drawn = None
             if untried:
-                pass
+                pass  # every arm is measured once before exploration
             elif self.config.explore == "ucb":
                 drawn = self._upper(bucket, candidates)
             elif self._rng.random() < self.config.epsilon / self.config.explore_run:
