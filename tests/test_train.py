@@ -506,3 +506,40 @@ def test_truncated_importance_sampling_corrects_bf16_rollouts(model_dir):
     plain = GRPOTrainer(config(model_dir, steps=1))
     assert "tis_ratio" not in plain.train_step()
     plain.close()
+
+
+def test_side_by_side_rotates_the_order_of_its_runs_step_by_step():
+    """Runs stepped side by side take turns going first (off, tlt, frozen; tlt, frozen, off; ...), so no run
+    always follows the same one; each run's rows stay its own, returned in config order."""
+    from tlt.config import override
+    from tlt.rl.config import TrainConfig
+    from tlt.rl.side_by_side import SideBySide
+
+    order = []
+
+    class Stepper:  # what SideBySide asks of a trainer, recording when it is stepped
+        def __init__(self, name):
+            self.name, self.step = name, 0
+
+        def train_step(self):
+            self.step += 1
+            order.append(self.name)
+            return {"run": self.name, "step": self.step}
+
+        def evaluate(self):
+            return {"accuracy": 0.0}
+
+    class Log:
+        def write(self, row):
+            pass
+
+    names = ["off", "tlt", "frozen"]
+    side = SideBySide.__new__(SideBySide)
+    side.configs = {n: override(TrainConfig(), {"steps": 4}) for n in names}
+    side.trainers = {n: Stepper(n) for n in names}
+    side.logs = {n: Log() for n in names}
+    side.rows, side.evals = {n: [] for n in names}, {n: [] for n in names}
+    latest = [side.step() for _ in range(4)]
+    assert order == ["off", "tlt", "frozen", "tlt", "frozen", "off", "frozen", "off", "tlt", "off", "tlt", "frozen"]
+    assert list(latest[1]) == names and all(latest[1][n] == {"run": n, "step": 2} for n in names)
+    assert [len(side.evals[n]) for n in names] == [1, 1, 1]  # each run's eval at its last step

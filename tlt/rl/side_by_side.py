@@ -41,8 +41,15 @@ class SideBySide:
             self.logs[name].write(self.evals[name][-1])
 
     def step(self) -> dict[str, dict]:
-        """One RL step of every run in turn, each with its eval when due; returns each run's row."""
-        for name, trainer in self.trainers.items():
+        """One RL step of every run in turn, each with its eval when due; returns each run's row (in config
+        order). The order rotates by one each step (as the benches' repeats do, `tlt.bench.rotation`), so no run
+        always goes first or follows the same one while the machine's speed drifts: with a fixed order the GRPO
+        e2e bench measured tlt over frozen step time 1.055 stepping off, tlt, frozen and 1.025 stepping off,
+        frozen, tlt (one run each, docs/results/bench_e2e_ucb*.json)."""
+        from tlt.bench import rotation
+
+        for name in rotation(list(self.trainers), len(next(iter(self.rows.values())))):
+            trainer = self.trainers[name]
             row = trainer.train_step()
             self.rows[name].append(row)
             c = self.configs[name]
