@@ -301,12 +301,10 @@ class Tuner:
             arm, left = run
         else:
             untried = [a for a in candidates if not bucket.windows[a]]
-            drawn = None
-            if untried:
-                pass  # every arm is measured once before exploration
-            elif self.config.explore == "ucb":
+            drawn = None  # exploration waits until every arm is measured once
+            if not untried and self.config.explore == "ucb":
                 drawn = self._upper(bucket, candidates)
-            elif self._rng.random() < self.config.epsilon / self.config.explore_run:
+            elif not untried and self._rng.random() < self.config.epsilon / self.config.explore_run:
                 drawn = self._explore(bucket, candidates)
             arm = untried[0] if untried else drawn or self._greedy(bucket, candidates)
             left = self.config.explore_run if untried or drawn else 1
