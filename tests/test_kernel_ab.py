@@ -1,0 +1,53 @@
+"""scripts/kernel_ab.py: two kernel builds compared for bits and time (here the built kernels against themselves
+and against a copy whose attention is off by one bit, so nothing is compiled)."""
+
+import json
+
+import pytest
+import torch
+
+from tlt.model import cpu_kernels
+
+kernels = cpu_kernels.kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="tlt's bf16 CPU kernels do not run on this machine")
+
+
+class OffByOneBit:
+    """The kernels, with the last bit of every attention output flipped."""
+
+    def attention(self, *args):
+        out = kernels.attention(*args)
+        return (out.view(torch.int16) ^ 1).view(torch.bfloat16)
+
+    def linear(self, *args):
+        return kernels.linear(*args)
+
+
+def run(script, capsys, modules):
+    rc = script("kernel_ab").main(["old.cpp", "new.cpp", "--attention", "2,20,3", "--linear", "3", "--repeats", "2",
+                                   "--threads", "1"], modules=modules)
+    assert rc == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_same_kernels_give_the_same_bits_and_are_timed_side_by_side(script, capsys):
+    result = run(script, capsys, [kernels, kernels])
+    assert result["same_bits"] and result["differs"] == []
+    for figures in (result["attention"]["2,20,3"], result["linear"]["3"]):
+        assert figures["old_ms"] > 0 and figures["new_ms"] > 0 and figures["new_over_old"] > 0
+
+
+def test_a_kernel_that_changes_a_bit_is_named(script, capsys):
+    result = run(script, capsys, [kernels, OffByOneBit()])
+    assert not result["same_bits"]
+    assert result["differs"] and all(name.startswith("attention") for name in result["differs"])
+    assert len(result["differs"]) == 7  # every attention case, no product
+
+
+def test_bad_arguments_are_refused_with_what_was_expected(script, capsys):
+    with pytest.raises(SystemExit):
+        script("kernel_ab").main(["a.cpp", "b.cpp", "--attention", "1,2"])
+    assert "expected B,S,T" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script("kernel_ab").main(["/no/such/old.cpp", "b.cpp"])
+    assert "/no/such/old.cpp: no such source file" in capsys.readouterr().err
