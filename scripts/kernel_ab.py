@@ -5,7 +5,7 @@
 builds both sources as extensions of their own names (the first build of each takes a minute or two), then
   - checks that they give the same bits: attention over a paired bf16 cache (ragged rows, tree masks, 1 to 17
     new tokens a row) and products (1 to 300 rows, several shapes);
-  - times them in turns, the order swapped every repeat so the host's drift hits both: attention of B rows x T
+  - times them in turns, the order rotating every repeat so the host's drift hits both: attention of B rows x T
     new tokens over S cached ones through twelve layers' caches, products of M rows through twelve layers of
     the bench policy's four products. Each figure is the median over repeats (the first is a warm-up), and the
     ratio NEW / OLD the median of the per-repeat ratios (< 1: NEW is faster).
@@ -86,13 +86,14 @@ def same_bits(modules, gen) -> dict[str, bool]:
 
 
 def timed(modules, run, repeats: int) -> dict:
-    """run(module) timed for each module in turns, swapped every repeat; repeat 0 warms up."""
+    """run(module) timed for each module in turns, the order rotating every repeat; repeat 0 warms up."""
+    from tlt.bench import rotation
+
     seconds = [[] for _ in modules]
     for r in range(repeats + 1):
-        order = list(enumerate(modules))
-        for i, module in order if r % 2 else order[::-1]:
+        for i in rotation(range(len(modules)), r):
             start = time.perf_counter()
-            run(module)
+            run(modules[i])
             if r:
                 seconds[i].append(time.perf_counter() - start)
     return {"old_ms": 1e3 * statistics.median(seconds[0]), "new_ms": 1e3 * statistics.median(seconds[1]),
