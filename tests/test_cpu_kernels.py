@@ -486,6 +486,37 @@ def test_silu_mul_equals_torch_bit_for_bit(M, I):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("M,K,I", [(1, 64, 32), (9, 128, 96), (17, 256, 64), (150, 64, 160)])
+def test_linear_with_silu_equals_silu_mul_of_the_gate_up_product_bit_for_bit(tiles, bits, M, K, I):
+    """`silu=True` on a gate|up weight (gate rows over up rows) gives silu_mul of the plain product bit for bit,
+    with and without bias, on AMX tiles and AVX-512 blocks, 16- and 4-bit weights, one to 150 rows (more than one
+    task's chunk of rows on the tiles); rows alone equal rows among others. A weight whose halves do not split
+    on a group of 32 columns, or a residual, is refused."""
+    if tiles and not kernels.amx():
+        pytest.skip("this CPU has no AMX (or the OS does not grant it)")
+    x, w = bf16(M, K, seed=51) * 2, bf16(2 * I, K, seed=52)
+    bias = torch.randn(2 * I, generator=torch.Generator().manual_seed(53))
+    weight, scales = cpu_kernels.pack4(w) if bits == 4 else (cpu_kernels.pack(w), None)
+    kernels.set_amx(tiles)
+    try:
+        for b in (None, bias):
+            fused = kernels.linear(x, weight, 2 * I, b, None, scales, silu=True)
+            assert fused.shape == (M, I)
+            assert torch.equal(fused, kernels.silu_mul(kernels.linear(x, weight, 2 * I, b, None, scales)))
+            assert torch.equal(kernels.linear(x[-1:], weight, 2 * I, b, None, scales, silu=True)[0], fused[-1])
+        w80 = bf16(80, K, seed=54)  # halves of 40 columns
+        odd, odd_scales = cpu_kernels.pack4(w80) if bits == 4 else (cpu_kernels.pack(w80), None)
+        with pytest.raises(RuntimeError, match="silu"):
+            kernels.linear(x, odd, 80, None, None, odd_scales, silu=True)
+        with pytest.raises(RuntimeError, match="silu"):
+            kernels.linear(x, weight, 2 * I, None, bf16(M, 2 * I), scales, silu=True)
+    finally:
+        kernels.set_amx(True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("input_norm,bits", [(True, 16), (False, 16), (False, 4)])
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "paired"])

@@ -184,6 +184,9 @@ def layer_step_ops(module, x, input_eps, weights, sizes, biases, scales, H, qk_n
     if rows is not None:
         attended = attended.index_select(0, rows)
     h = module.linear(attended, weights[1], sizes[1], biases[1], x2, scales[1])
-    gate_up = module.linear(module.rms_norm(h[None], None, post_eps)[0], weights[2], sizes[2], biases[2], None,
-                            scales[2])
-    return module.linear(module.silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view(x.shape)
+    normed_h = module.rms_norm(h[None], None, post_eps)[0]
+    if sizes[2] % (2 * GROUP) == 0:  # silu(gate) * up from the product itself, as layer_step takes it
+        act = module.linear(normed_h, weights[2], sizes[2], biases[2], None, scales[2], silu=True)
+    else:
+        act = module.silu_mul(module.linear(normed_h, weights[2], sizes[2], biases[2], None, scales[2]))
+    return module.linear(act, weights[3], sizes[3], biases[3], h, scales[3]).view(x.shape)

@@ -13,6 +13,12 @@
 // 4-bit weights (a drafter's, where a few rows' products stream its weights from memory) take the same
 // path on a quarter of the bytes (block4).
 //
+// With `silu` the weight stacks gate over up (N = 2 I, I a multiple of GROUP) and linear returns
+// bf16(silu(gate) * up) [M, I] directly: each task takes gate group g and up group g + I / GROUP, rounds both
+// products to bf16 as the plain product would store them and applies silu_mul's arithmetic, so the bits are
+// those of silu_mul(linear(...)) while the [M, 2 I] product is neither written nor read back (bench policy,
+// 216 rows: the gate|up product's output lines cost about a tenth of the layer's products).
+//
 // rms_norm: out = bf16(x * rsqrt(mean(x^2) + eps) (* weight)) over the last dimension, in float32.
 //
 // rope_write: the q/k per-head norm, RoPE and the cache write of one layer's stacked q|k|v in one pass:
@@ -316,6 +322,28 @@ TARGET inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// silu(x) * u of bf16 values (as float32): silu rounded to bf16 first, as torch computes it in bf16.
+TARGET inline __m512 silu_times(__m512 x, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+  __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  __m512 sig = _mm512_mask_mul_ps(r, negative, e, r);  // x < 0: e / (1 + e)
+  return _mm512_mul_ps(round_bf16(_mm512_mul_ps(x, sig)), u);
+}
+
+// One row of a gate|up product's two groups (gate, up: GROUP float32 sums each; biases or null) -> GROUP
+// bf16 of silu(gate) * up, each sum rounded to bf16 first as finish would store it.
+TARGET void finish_silu(const float* gate, const float* up, const float* gate_bias, const float* up_bias,
+                        uint16_t* out) {
+  for (int64_t c = 0; c < GROUP; c += 16) {
+    __m512 g = _mm512_loadu_ps(gate + c), u = _mm512_loadu_ps(up + c);
+    if (gate_bias) g = _mm512_add_ps(g, _mm512_loadu_ps(gate_bias + c));
+    if (up_bias) u = _mm512_add_ps(u, _mm512_loadu_ps(up_bias + c));
+    store_bf16(0xffff, out + c, silu_times(round_bf16(g), round_bf16(u)));
+  }
 }
 
 // 16 cached keys' or values' elements (float32 or bf16 cache) as float32.
@@ -868,7 +896,7 @@ void parallel_tasks(int64_t n, const F& body) {
 // residual [M, N] bf16 (rows contiguous) or undefined -> [M, N] bf16. 4-bit weights (block4): packed
 // [G, K / 2, 32] uint8 with scales [G, K / 128 (or 1), 2, 32] float32 (scale, then shift, per k-group).
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                     c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> scales) {
+                     c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> scales, bool silu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
               "linear: x must be [M, K] bf16 with contiguous rows");
   bool four = packed.scalar_type() == torch::kUInt8;
@@ -903,7 +931,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     res = reinterpret_cast<const uint16_t*>(residual->data_ptr());
     res_stride = residual->stride(0);
   }
-  auto out = torch::empty({M, N}, x.options());
+  // silu: gate group g (of I / GROUP) pairs with up group g + I / GROUP, and the output has I columns
+  TORCH_CHECK(!silu || (N % (2 * GROUP) == 0 && !(residual && residual->defined())),
+              "linear: silu needs N a multiple of ", 2 * GROUP, " (gate over up) and no residual");
+  int64_t units = silu ? groups / 2 : groups, cols_out = silu ? N / 2 : N;
+  auto out = torch::empty({M, cols_out}, x.options());
   if (M == 0) return out;
   auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -927,38 +959,51 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     // so the chunk's rows (128 x K bf16) and the run's weights both stay in the thread's L2. One group per task
     // re-reads all of x from L3 for every group once x outgrows L2 (1,664 rows x 768: 2.5 MB, 160 groups: products
     // 1.2-1.75x slower); where x fits (AMX_X_BYTES), single groups balance the threads better.
-    int64_t run = M * K * 2 <= AMX_X_BYTES ? 1 : std::clamp<int64_t>(groups / (4 * at::get_num_threads()), 1, AMX_RUN);
-    parallel_tasks((groups + run - 1) / run, [&](const auto& take) {
+    int64_t run = M * K * 2 <= AMX_X_BYTES ? 1 : std::clamp<int64_t>(units / (4 * at::get_num_threads()), 1, AMX_RUN);
+    parallel_tasks((units + run - 1) / run, [&](const auto& take) {
       alignas(64) float acc[AMX_CHUNK * GROUP];
+      alignas(64) float acc_up[AMX_CHUNK * GROUP];  // silu: the up group's sums
       int64_t configured = 0;  // rows the tiles are configured for, 0 none
+      // acc_out[r][c]: group g's sums for rows m_start .. m_end - 1
+      auto product = [&](int64_t g, int64_t m_start, int64_t m_end, float* acc_out) {
+        int64_t blocks = (m_end - m_start + 15) / 16;
+        const uint16_t* wg = wp + g * pairs * GROUP * 2;
+        if (blocks == 1) {
+          int64_t rows = m_end - m_start;
+          if (rows != configured) amx_configure(configured = rows);
+          amx_block(xp + m_start * xs, xs, wg, pairs, acc_out);
+          return;
+        }
+        if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
+        for (int64_t s0 = 0; s0 < steps; s0 += AMX_SLICE) {
+          int64_t n = std::min(AMX_SLICE, steps - s0);
+          const uint16_t* ws = wg + s0 * 16 * GROUP * 2;
+          // the next slice (or the next group's first), n * 32 lines, AMX_PF lines a step over the blocks' passes
+          const char* next = reinterpret_cast<const char*>(ws + n * 16 * GROUP * 2);
+          for (int64_t blk = 0; blk < blocks; ++blk) {
+            int64_t m0 = m_start + 16 * blk;
+            bool padded = m0 + 16 > M;
+            const uint16_t* xb = padded ? xt.data() : xp + m0 * xs;
+            const char* pf = next + blk * n * AMX_PF * 64;
+            amx_slice(xb + 32 * s0, padded ? K : xs, ws, n, acc_out + blk * 16 * GROUP, s0 == 0,
+                      pf < next + n * 16 * GROUP * 4 ? pf : nullptr);
+          }
+        }
+      };
       for (int64_t t; (t = take()) >= 0;) {
         for (int64_t i = 0; i < amx_chunks * run; ++i) {
           int64_t c = i / run, g = t * run + i % run;
-          if (g >= groups) continue;
+          if (g >= units) continue;
           int64_t m_start = c * AMX_CHUNK, m_end = std::min(M, m_start + AMX_CHUNK);
-          int64_t cols = std::min(GROUP, N - g * GROUP), blocks = (m_end - m_start + 15) / 16;
-          const uint16_t* wg = wp + g * pairs * GROUP * 2;
-          if (blocks == 1) {
-            int64_t rows = m_end - m_start;
-            if (rows != configured) amx_configure(configured = rows);
-            amx_block(xp + m_start * xs, xs, wg, pairs, acc);
-          } else {
-            if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
-            for (int64_t s0 = 0; s0 < steps; s0 += AMX_SLICE) {
-              int64_t n = std::min(AMX_SLICE, steps - s0);
-              const uint16_t* ws = wg + s0 * 16 * GROUP * 2;
-              // the next slice (or the next group's first), n * 32 lines, AMX_PF lines a step over the blocks' passes
-              const char* next = reinterpret_cast<const char*>(ws + n * 16 * GROUP * 2);
-              for (int64_t blk = 0; blk < blocks; ++blk) {
-                int64_t m0 = m_start + 16 * blk;
-                bool padded = m0 + 16 > M;
-                const uint16_t* xb = padded ? xt.data() : xp + m0 * xs;
-                const char* pf = next + blk * n * AMX_PF * 64;
-                amx_slice(xb + 32 * s0, padded ? K : xs, ws, n, acc + blk * 16 * GROUP, s0 == 0,
-                          pf < next + n * 16 * GROUP * 4 ? pf : nullptr);
-              }
-            }
+          product(g, m_start, m_end, acc);
+          if (silu) {
+            product(g + units, m_start, m_end, acc_up);
+            for (int64_t r = 0; r < m_end - m_start; ++r)
+              finish_silu(acc + r * GROUP, acc_up + r * GROUP, b ? b + g * GROUP : nullptr,
+                          b ? b + (g + units) * GROUP : nullptr, op + (m_start + r) * cols_out + g * GROUP);
+            continue;
           }
+          int64_t cols = std::min(GROUP, N - g * GROUP);
           for (int64_t r = 0; r < m_end - m_start; ++r)
             finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
                    res ? res + (m_start + r) * res_stride + g * GROUP : nullptr,
@@ -971,24 +1016,36 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   }
   const uint8_t* wq = four ? packed.data_ptr<uint8_t>() : nullptr;
   const float* sp = four ? scales->data_ptr<float>() : nullptr;
-  // One task: one weight group times one chunk of rows.
-  parallel_tasks(groups * chunks, [&](const auto& take) {
+  // One task: one weight group (with silu, a gate group and its up group) times one chunk of rows.
+  parallel_tasks(units * chunks, [&](const auto& take) {
     alignas(64) float acc[ROWS * GROUP];
+    alignas(64) float acc_up[ROWS * GROUP];  // silu: the up group's sums
     for (int64_t t; (t = take()) >= 0;) {
       int64_t g = t / chunks, m_end = std::min(M, (t % chunks + 1) * CHUNK);
       int64_t cols = std::min(GROUP, N - g * GROUP);
       int64_t m_start = (t % chunks) * CHUNK;
       for (int64_t m0 = m_start, rows = 0; m0 < m_end; m0 += rows) {
         rows = block_rows(m_end - m0);
-        // a later block of one chunk of rows (the task's next group comes next) prefetches that group
-        bool next = m0 > m_start && chunks == 1 && g + 1 < groups;
-        if (four) {
-          const uint8_t* wg = wq + g * pairs * GROUP;
-          BLOCKS4[rows](xp + m0 * xs, xs, wg, pairs, sp + g * qgroups * 2 * GROUP, xsum.data() + m0 * qgroups, qgroups,
-                        acc, next ? wg + pairs * GROUP : wg + PREFETCH);
-        } else {
-          const uint16_t* wg = wp + g * pairs * GROUP * 2;
-          BLOCKS[rows](xp + m0 * xs, xs, wg, pairs, acc, next ? wg + pairs * GROUP * 2 : wg + PREFETCH);
+        // group j's sums for this block; a later block of one chunk of rows (the task's next group comes next)
+        // prefetches that group
+        auto product = [&](int64_t j, float* acc_out) {
+          bool next = m0 > m_start && chunks == 1 && j + 1 < groups;
+          if (four) {
+            const uint8_t* wg = wq + j * pairs * GROUP;
+            BLOCKS4[rows](xp + m0 * xs, xs, wg, pairs, sp + j * qgroups * 2 * GROUP, xsum.data() + m0 * qgroups,
+                          qgroups, acc_out, next ? wg + pairs * GROUP : wg + PREFETCH);
+          } else {
+            const uint16_t* wg = wp + j * pairs * GROUP * 2;
+            BLOCKS[rows](xp + m0 * xs, xs, wg, pairs, acc_out, next ? wg + pairs * GROUP * 2 : wg + PREFETCH);
+          }
+        };
+        product(g, acc);
+        if (silu) {
+          product(g + units, acc_up);
+          for (int64_t r = 0; r < rows; ++r)
+            finish_silu(acc + r * GROUP, acc_up + r * GROUP, b ? b + g * GROUP : nullptr,
+                        b ? b + (g + units) * GROUP : nullptr, op + (m0 + r) * cols_out + g * GROUP);
+          continue;
         }
         for (int64_t r = 0; r < rows; ++r)
           finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
@@ -1268,15 +1325,9 @@ namespace {
 // silu(g) * u with silu rounded to bf16 first, as torch's bf16 `F.silu(g) * u` rounds: sigmoid from the
 // exp of -|g| (never overflows).
 TARGET void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
     __mmask16 m = tail_mask(n - i);
-    __m512 x = load_bf16(m, g + i);
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-    __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
-    __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 sig = _mm512_mask_mul_ps(r, negative, e, r);  // x < 0: e / (1 + e)
-    store_bf16(m, out + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(x, sig)), load_bf16(m, u + i)));
+    store_bf16(m, out + i, silu_times(load_bf16(m, g + i), load_bf16(m, u + i)));
   }
 }
 }  // namespace
@@ -1407,16 +1458,19 @@ torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::T
   }
   auto x2 = x.view({-1, hidden});
   auto normed = input_eps < 0 ? x2 : rms_norm(x2.unsqueeze(0), c10::nullopt, input_eps).squeeze(0);
-  auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt, scales[0]);
+  auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt, scales[0], false);
   if (packed) qkv = torch::zeros({B * T, sizes[0]}, qkv.options()).index_copy_(0, rows, qkv);
   auto q = rope_write(qkv.view({B, T, sizes[0] / D, D}), H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired);
   auto ks = keys.narrow(2, 0, S), vs = values.narrow(2, 0, S);
   auto attended = attention(q, ks, vs, mask, paired, counts).view({B * T, -1});
   if (packed) attended = attended.index_select(0, rows);
-  auto h = linear(attended, weights[1], sizes[1], biases[1], x2, scales[1]);
-  auto gate_up = linear(rms_norm(h.unsqueeze(0), c10::nullopt, post_eps).squeeze(0), weights[2], sizes[2], biases[2],
-                        c10::nullopt, scales[2]);
-  return linear(silu_mul(gate_up), weights[3], sizes[3], biases[3], h, scales[3]).view(x.sizes());
+  auto h = linear(attended, weights[1], sizes[1], biases[1], x2, scales[1], false);
+  auto normed_h = rms_norm(h.unsqueeze(0), c10::nullopt, post_eps).squeeze(0);
+  // silu(gate) * up straight from the gate|up product where the halves split on a weight group
+  auto act = sizes[2] % (2 * GROUP) == 0
+                 ? linear(normed_h, weights[2], sizes[2], biases[2], c10::nullopt, scales[2], true)
+                 : silu_mul(linear(normed_h, weights[2], sizes[2], biases[2], c10::nullopt, scales[2], false));
+  return linear(act, weights[3], sizes[3], biases[3], h, scales[3], false).view(x.sizes());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1429,7 +1483,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx", &set_amx);
   m.def("tile_peak", &tile_peak);
   m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("residual"),
-        py::arg("scales") = py::none());
+        py::arg("scales") = py::none(), py::arg("silu") = false);
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("compact", &compact);
