@@ -158,6 +158,13 @@ def test_rms_norm_matches_float32_on_strided_heads():
     hidden = bf16(1, 4, 200, seed=7)
     exact = F.rms_norm(hidden.float(), (200,), None, 1e-5)
     assert (kernels.rms_norm(hidden, None, 1e-5).float() - exact).abs().max() <= 0.01 * exact.abs().max()
+    # a verification's hundreds of rows split across threads: each row the same bits as alone
+    many = bf16(2, 300, 768, seed=8)
+    out = kernels.rms_norm(many, None, 1e-6)
+    exact = F.rms_norm(many.float(), (768,), None, 1e-6)
+    assert (out.float() - exact).abs().max() <= 0.01 * exact.abs().max()
+    for a, r in ((0, 0), (0, 299), (1, 150), (1, 299)):
+        assert torch.equal(kernels.rms_norm(many[a : a + 1, r : r + 1], None, 1e-6)[0, 0], out[a, r])
 
 
 @needs_kernels

@@ -403,6 +403,26 @@ def test_cache_grows_geometrically():
     assert torch.equal(cache.store[..., :1000, :], ref)
 
 
+def test_cache_with_a_known_limit_doubles_up_to_it_and_concat_keeps_the_largest():
+    """Below a known limit the capacity doubles (fewer, larger growths) but never passes the limit (rounded up
+    to a block) unless a write needs more; past it growth is geometric as without one. Joined caches keep
+    the largest limit, or none where any is unknown; a bad limit is refused."""
+    cache = KVCache(1, 2, 1, 4, block=8, limit=300)
+    capacities = []
+    for t in range(400):
+        cache.write(0, torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))
+        cache.advance(1)
+        if not capacities or capacities[-1] != cache.capacity:
+            capacities.append(cache.capacity)
+    assert capacities[:6] == [8, 16, 32, 64, 128, 256] and capacities[6] == 304  # the limit, to a block
+    assert all(c <= max(304, 1.25 * p + 8) for p, c in zip(capacities, capacities[1:])) and capacities[-1] >= 400
+    small = KVCache(1, 1, 1, 4, limit=100)
+    assert KVCache.concat([cache, small]).limit == 300
+    assert KVCache.concat([cache, KVCache(1, 1, 1, 4)]).limit is None
+    with pytest.raises(ValueError, match="limit"):
+        KVCache(1, 1, 1, 4, limit=0)
+
+
 def test_cache_memory_follows_live_tokens(tiny_model):
     model = tiny_model()
     cache = model.new_cache(4, block=16)

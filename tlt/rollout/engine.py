@@ -204,7 +204,9 @@ class RolloutEngine:
         for i, g in enumerate(groups):
             ids[i, : len(g.prompt)] = torch.tensor(g.prompt, device=device)
         valid = torch.arange(T, device=device)[None] < lengths[:, None]  # [G, T]
-        cache = self.model.new_cache(len(groups), block=self.config.cache_block)
+        # the most slots a row may need: its prompt and new tokens, and a block for a draft's slots past them
+        limit = max(len(g.prompt) + s.max_new for g in groups for s in g.seqs) + self.config.cache_block
+        cache = self.model.new_cache(len(groups), block=self.config.cache_block, limit=limit)
         output_layers = self.decoder.output_layers
         out = self.model(ids, attention_mask=valid, cache=cache, logit_index=(lengths - 1)[:, None],
                          output_layers=output_layers)

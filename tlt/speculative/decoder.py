@@ -243,7 +243,7 @@ class SpeculativeDecoder:
             return
         feats = self.drafter.target_features(out.hidden_states, out.layer_states)  # [G, T, H]
         G, T = ids.shape
-        cache = self.drafter.new_cache(G, block=batch.cache.block)
+        cache = self.drafter.new_cache(G, block=batch.cache.block, limit=batch.cache.limit)
         if T > 1:
             valid = torch.arange(T - 1, device=ids.device)[None] < (lengths - 1)[:, None]  # [G, T-1]
             positions = torch.arange(T - 1, device=ids.device).expand(G, T - 1)
