@@ -493,6 +493,35 @@ def test_silu_mul_equals_torch_bit_for_bit(M, I):
 
 
 @needs_kernels
+@pytest.mark.parametrize("equal", [True, False])
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("T,D", [(1, 0), (2, 6), (9, 0), (5, 3)])
+def test_tree_mask_equals_the_masks_built_from_operators(equal, padded, T, D):
+    """The kernels' mask (a bf16 cache on the CPU) equals the one `attention_mask_for` builds from operators (a
+    float32 cache of the same lengths) value for value: rows of equal and unequal lengths, trees per row and one
+    tree for all, padded new tokens, D draft slots among the cached ones."""
+    from tlt.model.kv_cache import KVCache
+    from tlt.model.transformer import additive, attention_mask_for, cached_mask
+
+    gen = torch.Generator().manual_seed(61 + T + D)
+    B = 4
+    lengths = torch.full((B,), 20) if equal else torch.randint(D, 30, (B,), generator=gen)
+    tree = torch.rand(B, T, D + T, generator=gen) < 0.5
+    valid = torch.rand(B, T, generator=gen) < 0.7 if padded else None
+    masks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = KVCache(1, B, 2, 16, dtype=dtype)
+        cache.reserve(40)
+        cache.lengths = lengths.clone()
+        masks.append(attention_mask_for(cache, T, tree, None if valid is None else valid.long(), torch.float32))
+    assert torch.equal(masks[0], masks[1])
+    S = int(lengths.max()) + T
+    one_tree = kernels.tree_mask(lengths, tree[:1], valid, S)
+    ones = torch.ones(B, T, dtype=torch.bool) if valid is None else valid
+    assert torch.equal(one_tree, additive(cached_mask(lengths, tree[:1].expand(B, -1, -1), ones, S), torch.float32))
+
+
+@needs_kernels
 @pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("bits", [16, 4])
 @pytest.mark.parametrize("M,K,I", [(1, 64, 32), (9, 128, 96), (17, 256, 64), (150, 64, 160)])
