@@ -939,6 +939,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   if (M == 0) return out;
   auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // Rows m0 .. m0 + rows - 1 of unit g's output from its sums (acc[r][c]; with silu, acc_up the up group's).
+  auto store = [&](int64_t g, int64_t m0, int64_t rows, const float* acc, const float* acc_up) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (silu)
+        finish_silu(acc + r * GROUP, acc_up + r * GROUP, b ? b + g * GROUP : nullptr,
+                    b ? b + (g + units) * GROUP : nullptr, op + (m0 + r) * cols_out + g * GROUP);
+      else
+        finish(acc + r * GROUP, b ? b + g * GROUP : nullptr, res ? res + (m0 + r) * res_stride + g * GROUP : nullptr,
+               op + (m0 + r) * N + g * GROUP, std::min(GROUP, N - g * GROUP));
+    }
+  };
   int64_t xs = x.stride(0), chunks = (M + CHUNK - 1) / CHUNK;
   // 4-bit weights: each row's sum of x over each k-group (the codes' offset, block4)
   std::vector<float> xsum(four ? M * qgroups : 0);
@@ -996,18 +1007,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
           if (g >= units) continue;
           int64_t m_start = c * AMX_CHUNK, m_end = std::min(M, m_start + AMX_CHUNK);
           product(g, m_start, m_end, acc);
-          if (silu) {
-            product(g + units, m_start, m_end, acc_up);
-            for (int64_t r = 0; r < m_end - m_start; ++r)
-              finish_silu(acc + r * GROUP, acc_up + r * GROUP, b ? b + g * GROUP : nullptr,
-                          b ? b + (g + units) * GROUP : nullptr, op + (m_start + r) * cols_out + g * GROUP);
-            continue;
-          }
-          int64_t cols = std::min(GROUP, N - g * GROUP);
-          for (int64_t r = 0; r < m_end - m_start; ++r)
-            finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
-                   res ? res + (m_start + r) * res_stride + g * GROUP : nullptr,
-                   op + (m_start + r) * N + g * GROUP, cols);
+          if (silu) product(g + units, m_start, m_end, acc_up);
+          store(g, m_start, m_end - m_start, acc, acc_up);
         }
       }
       if (configured) amx_release();
@@ -1022,7 +1023,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     alignas(64) float acc_up[ROWS * GROUP];  // silu: the up group's sums
     for (int64_t t; (t = take()) >= 0;) {
       int64_t g = t / chunks, m_end = std::min(M, (t % chunks + 1) * CHUNK);
-      int64_t cols = std::min(GROUP, N - g * GROUP);
       int64_t m_start = (t % chunks) * CHUNK;
       for (int64_t m0 = m_start, rows = 0; m0 < m_end; m0 += rows) {
         rows = block_rows(m_end - m0);
@@ -1040,16 +1040,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
           }
         };
         product(g, acc);
-        if (silu) {
-          product(g + units, acc_up);
-          for (int64_t r = 0; r < rows; ++r)
-            finish_silu(acc + r * GROUP, acc_up + r * GROUP, b ? b + g * GROUP : nullptr,
-                        b ? b + (g + units) * GROUP : nullptr, op + (m0 + r) * cols_out + g * GROUP);
-          continue;
-        }
-        for (int64_t r = 0; r < rows; ++r)
-          finish(acc + r * GROUP, b ? b + g * GROUP : nullptr,
-                 res ? res + (m0 + r) * res_stride + g * GROUP : nullptr, op + (m0 + r) * N + g * GROUP, cols);
+        if (silu) product(g + units, acc_up);
+        store(g, m0, rows, acc, acc_up);
       }
     }
   });
