@@ -751,45 +751,50 @@ thread_local Ahead ahead;
 
 // acc[r][d] = sum over slots s < split[r] of bf16(p[r][s]) v[s][d] on the tiles (float32 sums), for R rows of weights
 // (row stride `stride`) over paired values (row stride vs = D; weighted_values' layout: a B tile is 32 slots x 16
-// dimensions as it lies), split[r] multiples of 32. acc holds 16 rows a block of rows (zero past R), row stride D.
-// Each row's product is its weights' alone: rows with fewer slots add tiles of zero weights, which change no sum.
+// dimensions as it lies), split[r] multiples of 32, D a multiple of 16. acc: R rows, row stride D.
+// Each row's product is its weights' alone: rows with fewer slots add tiles of zero weights, which change no sum, and
+// a tile's rows are summed apart from each other whatever the rows configured.
 TARGET_AMX void tile_values(const float* p, int64_t stride, int64_t R, const int64_t* split, const uint16_t* v,
                               int64_t vs, int64_t D, float* acc) {
-  int64_t blocks = (R + 15) / 16, chunks = D / 16, top = *std::max_element(split, split + R);
-  thread_local std::vector<uint16_t> wb;  // [16 blocks][top] bf16 weights, zero from split[r]
-  wb.resize(blocks * 16 * top);
-  for (int64_t r = 0; r < blocks * 16; ++r) {
-    int64_t upto = r < R ? split[r] : 0;
-    for (int64_t s = 0; s < upto; s += 32) {
+  int64_t chunks = D / 16, top = *std::max_element(split, split + R);
+  thread_local std::vector<uint16_t> wb;  // [R][top] bf16 weights, zero from split[r]
+  wb.resize(R * top);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t s = 0; s < split[r]; s += 32) {
       __m512 lo = _mm512_loadu_ps(p + r * stride + s), hi = _mm512_loadu_ps(p + r * stride + s + 16);
       _mm512_storeu_si512(wb.data() + r * top + s, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
-    std::memset(wb.data() + r * top + upto, 0, (top - upto) * 2);
+    std::memset(wb.data() + r * top + split[r], 0, (top - split[r]) * 2);
   }
-  uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-  uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
-  tile_configure(rows, colsb);
-  int64_t combos = blocks * chunks;  // C tiles: (block of rows, 16 dimensions)
   Ahead pf = ahead;  // a local copy the loop keeps in registers (a thread_local is an address lookup)
-  for (int64_t g = 0; g < combos; g += 6) {
-    int64_t n = std::min<int64_t>(6, combos - g), upto = 0;
-    for (int64_t i = 0; i < n; ++i) tile_clear(i);
-    for (int64_t j = g / chunks; j <= (g + n - 1) / chunks; ++j)
-      for (int64_t r = 16 * j; r < std::min(R, 16 * j + 16); ++r) upto = std::max(upto, split[r]);
-    for (int64_t s0 = 0; s0 < upto; s0 += 32) {
-      pf.drip(8);
-      int64_t loaded = -1;
-      for (int64_t i = 0; i < n; ++i) {
-        int64_t j = (g + i) / chunks, c = (g + i) % chunks;
-        if (j != loaded) tile_load(6, wb.data() + 16 * j * top + s0, top * 2), loaded = j;
-        tile_load(7, v + s0 / 2 * 2 * vs + 32 * c, vs * 4);
-        values_product(i);
-      }
+  // A block of rows at a time, its weights and sums configured with its own row count: the tiles' work goes by
+  // rows, so a last block of two rows (nine tokens, two heads a kv head: 18 rows) costs an eighth of a full one.
+  int64_t configured = 0;
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    int64_t rows_now = std::min<int64_t>(16, R - r0), upto = *std::max_element(split + r0, split + r0 + rows_now);
+    if (rows_now != configured) {
+      uint8_t n = static_cast<uint8_t>(rows_now);
+      uint8_t rows[8] = {n, n, n, n, n, n, n, 16};
+      uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+      tile_configure(rows, colsb);
+      configured = rows_now;
     }
-    for (int64_t i = 0; i < n; ++i) tile_store(i, acc + 16 * ((g + i) / chunks) * D + 16 * ((g + i) % chunks), D * 4);
+    for (int64_t c0 = 0; c0 < chunks; c0 += 6) {  // C tiles: up to six of 16 dimensions
+      int64_t n = std::min<int64_t>(6, chunks - c0);
+      for (int64_t i = 0; i < n; ++i) tile_clear(i);
+      for (int64_t s0 = 0; s0 < upto; s0 += 32) {
+        pf.drip(8);
+        tile_load(6, wb.data() + r0 * top + s0, top * 2);
+        for (int64_t i = 0; i < n; ++i) {
+          tile_load(7, v + s0 / 2 * 2 * vs + 32 * (c0 + i), vs * 4);
+          values_product(i);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) tile_store(i, acc + r0 * D + 16 * (c0 + i), D * 4);
+    }
   }
   ahead = pf;
-  _tile_release();
+  if (configured) _tile_release();
 }
 
 // Keys a row may see past its first masked key with its weighted sum still plain decoding's bit for bit: a draft's
