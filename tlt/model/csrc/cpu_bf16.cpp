@@ -724,27 +724,29 @@ TARGET_AMX void tile_scores(const uint16_t* q, int64_t qs, int64_t R, const uint
 // while a task's scores run and idles after them (bench policy, 25 rows x 1,000 cached tokens, nine tokens a row:
 // the attention 0.92-0.95x the time, one token 0.95-0.97x). One a thread; the task loop sets it.
 struct Ahead {
-  const char* at[2] = {nullptr, nullptr};  // two byte ranges: keys, values
-  int64_t left[2] = {0, 0};                // their lines not yet fetched
+  // two byte ranges (keys, values) and their lines not yet fetched; scalars, not arrays, so that a loop holding a
+  // copy keeps them in registers (an indexed array went through memory: a store-to-load chain per line)
+  const char* keys = nullptr;
+  const char* values = nullptr;
+  int64_t key_lines = 0, value_lines = 0;
 
-  void set(const char* keys, int64_t key_bytes, const char* values, int64_t value_bytes) {
-    at[0] = keys, left[0] = (key_bytes + 63) / 64;
-    at[1] = values, left[1] = (value_bytes + 63) / 64;
+  void set(const char* k, int64_t key_bytes, const char* v, int64_t value_bytes) {
+    keys = k, key_lines = (key_bytes + 63) / 64;
+    values = v, value_lines = (value_bytes + 63) / 64;
   }
   // One more line, if any is left (keys first).
   void one() {
-    int i = left[0] ? 0 : 1;
-    if (!left[i]) return;
-    _mm_prefetch(at[i], _MM_HINT_T1);
-    at[i] += 64, --left[i];
+    if (key_lines) {
+      _mm_prefetch(keys, _MM_HINT_T1);
+      keys += 64, --key_lines;
+    } else if (value_lines) {
+      _mm_prefetch(values, _MM_HINT_T1);
+      values += 64, --value_lines;
+    }
   }
   // Up to n more lines.
   void drip(int64_t n) {
-    for (int i = 0; i < 2 && n > 0; ++i) {
-      int64_t m = std::min(n, left[i]);
-      for (int64_t l = 0; l < m; ++l) _mm_prefetch(at[i] + l * 64, _MM_HINT_T1);
-      at[i] += m * 64, left[i] -= m, n -= m;
-    }
+    for (; n > 0 && key_lines + value_lines > 0; --n) one();
   }
 };
 thread_local Ahead ahead;
