@@ -751,23 +751,14 @@ struct Ahead {
 };
 thread_local Ahead ahead;
 
-// acc[r][d] = sum over slots s < split[r] of bf16(p[r][s]) v[s][d] on the tiles (float32 sums), for R rows of weights
-// (row stride `stride`) over paired values (row stride vs = D; weighted_values' layout: a B tile is 32 slots x 16
+// acc[r][d] = sum over slots s < split[r] of w[r][s] v[s][d] on the tiles (float32 sums), for R rows of bf16 weights
+// (row stride `top`, zero from split[r] on; attend_rows writes them as its softmax computes them) over paired values (row stride vs = D; weighted_values' layout: a B tile is 32 slots x 16
 // dimensions as it lies), split[r] multiples of 32, D a multiple of 16. acc: R rows, row stride D.
 // Each row's product is its weights' alone: rows with fewer slots add tiles of zero weights, which change no sum, and
 // a tile's rows are summed apart from each other whatever the rows configured.
-TARGET_AMX void tile_values(const float* p, int64_t stride, int64_t R, const int64_t* split, const uint16_t* v,
+TARGET_AMX void tile_values(const uint16_t* w, int64_t top, int64_t R, const int64_t* split, const uint16_t* v,
                               int64_t vs, int64_t D, float* acc) {
-  int64_t chunks = D / 16, top = *std::max_element(split, split + R);
-  thread_local std::vector<uint16_t> wb;  // [R][top] bf16 weights, zero from split[r]
-  wb.resize(R * top);
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t s = 0; s < split[r]; s += 32) {
-      __m512 lo = _mm512_loadu_ps(p + r * stride + s), hi = _mm512_loadu_ps(p + r * stride + s + 16);
-      _mm512_storeu_si512(wb.data() + r * top + s, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-    std::memset(wb.data() + r * top + split[r], 0, (top - split[r]) * 2);
-  }
+  int64_t chunks = D / 16;
   Ahead pf = ahead;  // a local copy the loop keeps in registers (a thread_local is an address lookup)
   // A block of rows at a time, its weights and sums configured with its own row count: the tiles' work goes by
   // rows, so a last block of two rows (nine tokens, two heads a kv head: 18 rows) costs an eighth of a full one.
@@ -786,7 +777,7 @@ TARGET_AMX void tile_values(const float* p, int64_t stride, int64_t R, const int
       for (int64_t i = 0; i < n; ++i) tile_clear(i);
       for (int64_t s0 = 0; s0 < upto; s0 += 32) {
         pf.drip(8);
-        tile_load(6, wb.data() + r0 * top + s0, top * 2);
+        tile_load(6, w + r0 * top + s0, top * 2);
         for (int64_t i = 0; i < n; ++i) {
           tile_load(7, v + s0 / 2 * 2 * vs + 32 * (c0 + i), vs * 4);
           values_product(i);
@@ -879,6 +870,11 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
   }
   thread_local std::vector<float> totals;
   totals.resize(R);
+  // On the tiles (direct) a row's weights before its split go to tile_values as bf16, rounded as they leave the exp
+  // ([R][top], zero from the split on); the float32 tail keeps the rest in scores.
+  int64_t top_split = direct ? *std::max_element(split, split + R) : 0;
+  thread_local std::vector<uint16_t> wb;
+  wb.resize(R * top_split);
   Ahead pf = ahead;  // a line of the next task's a vector of 16 scores, in both passes
   for (int64_t r = 0; r < R; ++r) {
     // scale, mask, -inf past the row's keys (up to S rounded up to 16), a max-subtracted exp, its sum
@@ -895,12 +891,21 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
     }
     __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     PackedSum sum;
-    for (int64_t s = 0; s < S; s += 16) {
+    int64_t cut = top_split ? split[r] : 0, s = 0;  // a multiple of 32
+    uint16_t* wr = wb.data() + r * top_split;
+    for (; s < cut; s += 16) {
+      __m512 weight = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wr + s), (__m256i)_mm512_cvtneps_pbh(weight));
+      sum.add(weight);
+      pf.one();
+    }
+    for (; s < S; s += 16) {
       __m512 weight = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak));
       _mm512_storeu_ps(sr + s, weight);
       sum.add(weight);
       pf.one();
     }
+    if (top_split) std::memset(wr + cut, 0, (top_split - cut) * 2);
     totals[r] = sum.total();
   }
   ahead = pf;
@@ -910,14 +915,12 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
   thread_local std::vector<int64_t> from;
   thread_local std::vector<float> init;
   from.assign(R, 0);
-  if (direct) {
+  if (top_split) {
     std::copy(split, split + R, from.begin());
-    if (*std::max_element(from.begin(), from.end()) > 0) {
-      init.resize((R + 15) / 16 * 16 * D);
-      tile_values(scores, stride, R, from.data(), reinterpret_cast<const uint16_t*>(v), vs, D, init.data());
-      value_passes<C, PAIRED, KV>(scores, stride, R, from.data(), S, v, vs, last, init.data(), D, totals.data(), out);
-      return;
-    }
+    init.resize(R * D);
+    tile_values(wb.data(), top_split, R, split, reinterpret_cast<const uint16_t*>(v), vs, D, init.data());
+    value_passes<C, PAIRED, KV>(scores, stride, R, from.data(), S, v, vs, last, init.data(), D, totals.data(), out);
+    return;
   }
   value_passes<C, PAIRED, KV>(scores, stride, R, from.data(), S, v, vs, last, nullptr, D, totals.data(), out);
 }
