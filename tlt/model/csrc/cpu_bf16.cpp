@@ -816,6 +816,13 @@ TARGET int64_t tile_split(const float* mask, int64_t visible) {
   return split <= gap ? split : 0;
 }
 
+// The leading slots of an additive mask row (of S) that are all exactly 0, in whole vectors of 16.
+TARGET int64_t zero_prefix(const float* mask, int64_t S) {
+  int64_t s = 0;
+  while (s + 16 <= S && _mm512_cmp_ps_mask(_mm512_loadu_ps(mask + s), _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0) s += 16;
+  return s;
+}
+
 // One past the last key an additive mask row of S keys leaves visible (not -inf); at least 1.
 TARGET int64_t visible_end(const float* mask, int64_t S) {
   for (int64_t s = (S - 1) / 16 * 16; s >= 0; s -= 16) {
@@ -839,7 +846,8 @@ TARGET int64_t visible_end(const float* mask, int64_t S) {
 // holds R * stride floats (stride: S rounded up to 32, plus 16), `packed` S * qs bf16 rounded up to 32 keys.
 template <int C, bool PAIRED, typename KV>
 TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
-                        const float* const* masks, const int64_t* visible, const int64_t* split, int64_t D,
+                        const float* const* masks, const int64_t* unmasked, const int64_t* visible,
+                        const int64_t* split, int64_t D,
                         float scale, float* scores, uint32_t* packed, uint16_t* const* out, bool tiles) {
   int64_t S = *std::max_element(visible, visible + R), stride = (S + GROUP - 1) / GROUP * GROUP + 16;
   int64_t pairs = qs / 2;
@@ -883,7 +891,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
     for (int64_t s = 0; s < S; s += 16) {
       __mmask16 sm = count_mask(visible[r] - s);
       __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(sm, sr + s), _mm512_set1_ps(scale));
-      if (masks[r]) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(sm, masks[r] + s));
+      if (s >= unmasked[r]) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(sm, masks[r] + s));
       x = _mm512_mask_blend_ps(sm, _mm512_set1_ps(-INFINITY), x);
       _mm512_storeu_ps(sr + s, x);
       top = _mm512_max_ps(top, x);
@@ -927,7 +935,8 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
 
 template <typename KV>
 using Attend = void (*)(const uint16_t*, int64_t, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
-                        const int64_t*, const int64_t*, int64_t, float, float*, uint32_t*, uint16_t* const*, bool);
+                        const int64_t*, const int64_t*, const int64_t*, int64_t, float, float*, uint32_t*,
+                        uint16_t* const*, bool);
 template <typename KV, bool PAIRED = false>
 constexpr Attend<KV> ATTEND[9] = {nullptr,
                                   attend_rows<1, PAIRED, KV>,
@@ -1234,6 +1243,12 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   std::vector<int64_t> limits(mp ? B * T : 0);
   for (int64_t i = 0; i < (mp ? B * T : 0); ++i)
     if (real(i)) limits[i] = visible_end(mp + i / T * mb + i % T * mt, S);
+  // And it starts with slots whose mask is exactly 0 (a row's cache before its draft): the softmax adds the mask
+  // from the first 16 slots that hold anything else on, the same sums at fewer reads (a mask row is read once
+  // here, then by each of the row's kv heads and heads).
+  std::vector<int64_t> zeros(mp ? B * T : 0);
+  for (int64_t i = 0; i < (mp ? B * T : 0); ++i)
+    if (real(i)) zeros[i] = zero_prefix(mp + i / T * mb + i % T * mt, limits[i]);
   parallel_tasks(B * Hkv, [&](const auto& take) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
     thread_local std::vector<float> scores;
@@ -1241,6 +1256,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     thread_local std::vector<uint16_t> qb;
     thread_local std::vector<const float*> masks;
     thread_local std::vector<int64_t> visible;
+    thread_local std::vector<int64_t> unmasked;
     thread_local std::vector<int64_t> split;
     thread_local std::vector<uint16_t*> outs;
     int64_t keys_up = (S + GROUP - 1) / GROUP * GROUP;
@@ -1249,6 +1265,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     qb.assign(R * Dq, 0);
     masks.resize(R);
     visible.resize(R);
+    unmasked.resize(R);
     split.resize(R);
     outs.resize(R);
     // Each thread takes its next task before it runs this one, and fetches that task's keys and values (slots
@@ -1273,6 +1290,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         int64_t h = j * group + r / Tb, t = r % Tb;
         std::memcpy(&qb[r * Dq], qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), D * 2);
         masks[r] = mp ? mp + b * mb + t * mt : nullptr;
+        unmasked[r] = mp ? zeros[b * T + t] : S;
         visible[r] = mp ? limits[b * T + t] : S - T + t + 1;
         split[r] = direct ? splits[b * T + t] : 0;
         outs[r] = op + (b * T + t) * H * D + h * D;
@@ -1282,17 +1300,18 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       if (paired)
         ATTEND<uint16_t, true>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                               reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
-                                              visible.data(), split.data(), D, scale, scores.data(), packed.data(),
-                                              outs.data(), tiles);
+                                              unmasked.data(), visible.data(), split.data(), D, scale, scores.data(),
+                                              packed.data(), outs.data(), tiles);
       else if (half)
         ATTEND<uint16_t>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                         reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
-                                        visible.data(), split.data(), D, scale, scores.data(), packed.data(),
-                                        outs.data(), tiles);
+                                        unmasked.data(), visible.data(), split.data(), D, scale, scores.data(),
+                                        packed.data(), outs.data(), tiles);
       else
         ATTEND<float>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const float*>(kh), k.stride(2),
-                                     reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), visible.data(),
-                                     split.data(), D, scale, scores.data(), packed.data(), outs.data(), tiles);
+                                     reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), unmasked.data(),
+                                     visible.data(), split.data(), D, scale, scores.data(), packed.data(), outs.data(),
+                                     tiles);
     }
   });
   return out;
