@@ -37,9 +37,9 @@ non-stationary bandits). Bench policy, 16 x 8 rollout, side by side in five runs
 2.02x plain decoding against 1.73x, 1.81x, 1.86x, 1.92x and 1.88x for "cost" at epsilon 0.1; fifteen rollouts each
 pooled, 1.92x against 1.88x, within the host's spread (docs/results/bench_rollout_ucb*.json); with the fused silu
 and one-pass masks, four more runs: 2.35x, 1.89x, 1.96x, 1.82x against 2.06x, 2.03x, 2.05x, 1.71x, twelve rollouts
-pooled 1.91x against 1.93x (bench_rollout_onepass_masks*.json); with attention that fetches ahead, four more:
-2.00x, 1.98x, 1.95x, 1.89x against 1.77x, 1.84x, 2.03x, 1.82x, twelve rollouts pooled 1.96x against 1.95x
-(bench_rollout_attention_ahead*.json). At 17-32 rows the bounds ran plain decoding 3-4 times a rollout where
+pooled 1.91x against 1.93x (bench_rollout_onepass_masks*.json); with attention that fetches ahead, five more:
+2.00x, 1.98x, 1.95x, 1.89x, 1.93x against 1.77x, 1.84x, 2.03x, 1.82x, 1.76x, fifteen rollouts pooled 1.99x against
+1.88x (bench_rollout_attention_ahead*.json). At 17-32 rows the bounds ran plain decoding 3-4 times a rollout where
 epsilon draws did 17-22 times, and the shallow tree-d4-k1-v4 11-67 times where epsilon draws ran it 175-409 times in
 three runs of four.
 
