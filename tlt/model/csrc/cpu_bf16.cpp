@@ -721,11 +721,13 @@ TARGET_AMX void tile_scores(const uint16_t* q, int64_t qs, int64_t R, const uint
 
 // The next task's keys and values (attention's tasks: one row's kv head), fetched into L2 a few lines at a time
 // while this task's softmax and weighted sums compute on what it already holds: otherwise the memory streams only
-// while a task's scores run and idles after them (bench policy, 25 rows x 1,000 cached tokens, nine tokens a row:
-// the attention 0.92-0.95x the time, one token 0.95-0.97x). One a thread; the task loop sets it.
+// while a task's scores run and idles after them (bench policy, 25 rows x 1,000 cached tokens: with the queries
+// resident in tile_scores, the attention 0.91x the time at nine tokens a row, 0.96x at one; `kernel_ab.py`).
+// One a thread; the task loop sets it.
 struct Ahead {
-  // two byte ranges (keys, values) and their lines not yet fetched; scalars, not arrays, so that a loop holding a
-  // copy keeps them in registers (an indexed array went through memory: a store-to-load chain per line)
+  // two byte ranges (keys, values) and their lines not yet fetched; scalars, not an indexed array, so that a loop
+  // holding a copy keeps them in registers (an array goes through memory, a store-to-load chain per line: 0.95x the
+  // time at nine tokens as scalars)
   const char* keys = nullptr;
   const char* values = nullptr;
   int64_t key_lines = 0, value_lines = 0;
@@ -901,20 +903,19 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
     }
     __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     PackedSum sum;
+    // Two loops, the tiles' bf16 slots then the float32 ones (one loop choosing the store per vector: 1.02-1.05x
+    // the attention's time at nine tokens a row).
     int64_t cut = top_split ? split[r] : 0, s = 0;  // a multiple of 32
     uint16_t* wr = wb.data() + r * top_split;
-    for (; s < cut; s += 16) {
+    auto weight_at = [&](int64_t s) TARGET {
       __m512 weight = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wr + s), (__m256i)_mm512_cvtneps_pbh(weight));
       sum.add(weight);
       pf.one();
-    }
-    for (; s < S; s += 16) {
-      __m512 weight = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + s), peak));
-      _mm512_storeu_ps(sr + s, weight);
-      sum.add(weight);
-      pf.one();
-    }
+      return weight;
+    };
+    for (; s < cut; s += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wr + s), (__m256i)_mm512_cvtneps_pbh(weight_at(s)));
+    for (; s < S; s += 16) _mm512_storeu_ps(sr + s, weight_at(s));
     if (top_split) std::memset(wr + cut, 0, (top_split - cut) * 2);
     totals[r] = sum.total();
   }
@@ -922,16 +923,16 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
   // Weighted values key by key in slot order: weights of masked keys and keys past a row's are exact zeros, which
   // leave the sums unchanged, so a query's result does not depend on which other keys sit between the ones it
   // sees (a tree draft's node equals plain decoding's token bit for bit); PackedSum likewise.
-  thread_local std::vector<int64_t> from;
-  thread_local std::vector<float> init;
-  from.assign(R, 0);
+  // With weights on the tiles the float32 sums start at each row's split, from the tiles' sums.
   if (top_split) {
-    std::copy(split, split + R, from.begin());
+    thread_local std::vector<float> init;
     init.resize(R * D);
     tile_values(wb.data(), top_split, R, split, reinterpret_cast<const uint16_t*>(v), vs, D, init.data());
-    value_passes<C, PAIRED, KV>(scores, stride, R, from.data(), S, v, vs, last, init.data(), D, totals.data(), out);
+    value_passes<C, PAIRED, KV>(scores, stride, R, split, S, v, vs, last, init.data(), D, totals.data(), out);
     return;
   }
+  thread_local std::vector<int64_t> from;
+  from.assign(R, 0);
   value_passes<C, PAIRED, KV>(scores, stride, R, from.data(), S, v, vs, last, nullptr, D, totals.data(), out);
 }
 
@@ -1251,6 +1252,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   std::vector<int64_t> zeros(mp ? B * T : 0);
   for (int64_t i = 0; i < (mp ? B * T : 0); ++i)
     if (real(i)) zeros[i] = zero_prefix(mp + i / T * mb + i % T * mt, limits[i]);
+  // The slots a row's tasks read: up to its queries' last visible key (what Ahead fetches for a task).
+  std::vector<int64_t> reach(B, 0);
+  for (int64_t i = 0; i < B * T; ++i)
+    if (real(i)) reach[i / T] = std::max(reach[i / T], mp ? limits[i] : S - T + i % T + 1);
   parallel_tasks(B * Hkv, [&](const auto& take) {
     // Each thread's scratch lives across calls: a decode step calls this once a layer.
     thread_local std::vector<float> scores;
@@ -1270,18 +1275,13 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     unmasked.resize(R);
     split.resize(R);
     outs.resize(R);
-    // Each thread takes its next task before it runs this one, and fetches that task's keys and values (slots
-    // up to its rows' last visible one) while this one computes (Ahead).
-    auto reach = [&](int64_t b) {
-      int64_t n = 0;
-      for (int64_t t = 0; t < (cp ? cp[b] : T); ++t) n = std::max(n, mp ? limits[b * T + t] : S - T + t + 1);
-      return n;
-    };
+    // Each thread takes its next task before it runs this one, and fetches that task's keys and values while
+    // this one computes (Ahead).
     for (int64_t i = take(), next; i >= 0; i = next) {
       next = take();
       ahead.set(nullptr, 0, nullptr, 0);
       if (next >= 0) {
-        int64_t nb = next / Hkv, nj = next % Hkv, n = reach(nb);
+        int64_t nb = next / Hkv, nj = next % Hkv, n = reach[nb];
         ahead.set(kp + (nb * k.stride(0) + nj * k.stride(1)) * item, n * k.stride(2) * item,
                   vp + (nb * v.stride(0) + nj * v.stride(1)) * item,
                   (paired ? (n + 1) / 2 * 2 : n) * v.stride(2) * item);
