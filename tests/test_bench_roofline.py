@@ -51,12 +51,29 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
     from tlt.model import cpu_kernels
 
     kernels = cpu_kernels.kernels() if dtype == "bfloat16" else None
-    if kernels is not None and kernels.amx():  # the tile ceiling sits above the products that run on tiles
-        assert record["amx_tile_peak_gflop_s"] > record["tlt_kernel_256_rows_gflop_s"] > 0
-        assert record["tlt_kernel_256_rows_vs_tile_peak"] == pytest.approx(
-            record["tlt_kernel_256_rows_gflop_s"] / record["amx_tile_peak_gflop_s"])
-    else:
+    if kernels is not None:  # each unit's ceiling sits above the products that run on it
+        peak, ratio = (("amx_tile_peak_gflop_s", "tlt_kernel_256_rows_vs_tile_peak") if kernels.amx()
+                       else ("avx512_bf16_peak_gflop_s", "tlt_kernel_256_rows_vs_avx512_peak"))
+        assert record[peak] > record["tlt_kernel_256_rows_gflop_s"] > 0
+        assert record[ratio] == pytest.approx(record["tlt_kernel_256_rows_gflop_s"] / record[peak])
+        assert record["avx512_bf16_peak_gflop_s"] > 0
+        assert record["tlt_kernel_balance_rows"] == pytest.approx(
+            record["tlt_kernel_256_rows_gflop_s"] / record["bandwidth_before_gb_s"])
+    if kernels is None or not kernels.amx():
         assert "amx_tile_peak_gflop_s" not in record
+
+
+def test_dot_peak_counts_the_operations_it_runs():
+    from tlt.model import cpu_kernels
+
+    kernels = cpu_kernels.kernels()
+    if kernels is None:
+        pytest.skip("needs tlt's bf16 kernels (AVX-512 bf16)")
+    threads = torch.get_num_threads()
+    # 24 products of 16 lanes x 2 pairs an iteration, on every thread
+    assert kernels.dot_peak(10) == 2 * 32 * 24 * 10 * threads
+    with pytest.raises(RuntimeError, match="iterations"):
+        kernels.dot_peak(0)
 
 
 def test_tile_peak_counts_the_operations_it_runs():

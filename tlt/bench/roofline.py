@@ -7,9 +7,10 @@ over T new tokens costs about one over a single token. The bench measures, in on
     rotation with the forwards: the limit takes the median of the latter), and the best product throughput of the
     kernels available in the model's dtype: tlt's bf16 kernel (tlt/model/cpu_kernels.py), prepacked
     oneDNN weights and plain `F.linear` at 1 row (GB/s of weight streamed, over weights larger than the
-    cache) and at 256 rows (GFLOP/s); where AMX runs, the tile unit's own bf16 throughput (tile products on
-    operands held in the tiles, no memory read: the ceiling of every product on tiles) and tlt's 256-row
-    products as a fraction of it;
+    cache) and at 256 rows (GFLOP/s); the bf16 throughput of AVX-512's dot products and, where AMX runs, of
+    the tile unit, each on operands held in registers or tiles (no memory read: the ceiling of every product
+    on that unit), tlt's 256-row products as a fraction of the unit they run on, and the rows at which a
+    product's arithmetic takes as long as streaming its weights (`tlt_kernel_balance_rows`);
   - the model, tlt and transformers on the same weights and dtype: one cached forward of T new tokens
     per row after P cached ones, at batch 1 for T = 1, 5, 9, 17, 33, and at batch 4, 16, 64 for T = 1;
     and the shares of tlt's one-token step spent in products and in attention (timed around each call).
@@ -39,6 +40,7 @@ BATCHES = (4, 16, 64)  # at one new token
 BANDWIDTH_BYTES = 1 << 30  # the array the read bandwidth is summed over
 PRODUCT_WEIGHTS = (16, 4096, 2048)  # count and shape of the weights products stream: 256 MB in bf16
 TILE_PEAK_ITERATIONS = 1 << 21  # of tile_peak's four tile products a thread: ~0.04 s on two cores of a Xeon with AMX
+DOT_PEAK_ITERATIONS = 1 << 20  # of dot_peak's 24 AVX-512 bf16 products a thread: ~0.01 s at one a cycle
 # About 174 M parameters: 12 layers of Qwen3's 0.6 B width (hidden 1024, 16 / 8 heads) with a 32 k
 # vocabulary tied to the embedding; 348 MB in bf16, 11x this CPU's L3.
 RANDOM_LARGE = dict(
@@ -110,17 +112,26 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
         for name, run in plain.items():
             out[f"{name}_1_row_gb_s"] = nbytes / _median_seconds(lambda: run(one), repeats) / 1e9
             out[f"{name}_256_rows_gflop_s"] = flops_256 / _median_seconds(lambda: run(many), 3) / 1e9
-        if kernels is not None and kernels.amx():
-            out["amx_tile_peak_gflop_s"] = tile_peak_gflop_s(kernels)
-            out["tlt_kernel_256_rows_vs_tile_peak"] = out["tlt_kernel_256_rows_gflop_s"] / out["amx_tile_peak_gflop_s"]
+        if kernels is not None:
+            out["avx512_bf16_peak_gflop_s"] = peak_gflop_s(kernels.dot_peak, DOT_PEAK_ITERATIONS)
+            if kernels.amx():
+                out["amx_tile_peak_gflop_s"] = peak_gflop_s(kernels.tile_peak, TILE_PEAK_ITERATIONS)
+            peak, name = (("amx_tile_peak_gflop_s", "tile_peak") if kernels.amx()
+                          else ("avx512_bf16_peak_gflop_s", "avx512_peak"))
+            out[f"tlt_kernel_256_rows_vs_{name}"] = out["tlt_kernel_256_rows_gflop_s"] / out[peak]
+            # A product over R rows does R multiply-adds per bf16 weight (2 bytes): R FLOP per byte streamed, so
+            # at about this many rows its arithmetic takes as long as reading its weights, and above it a forward
+            # over more tokens costs more (speculation's verification stops being free). Bandwidth: the read
+            # before the forwards (bandwidth_before_gb_s in the record).
+            out["tlt_kernel_balance_rows"] = out["tlt_kernel_256_rows_gflop_s"] / bandwidth
     return out
 
 
-def tile_peak_gflop_s(kernels, iterations: int = TILE_PEAK_ITERATIONS, repeats: int = 3) -> float:
-    """The AMX tile unit's bf16 throughput on every thread, from registers (no memory read): the compute ceiling
-    of any product on tiles, against which the products above stand."""
-    flops = kernels.tile_peak(iterations)  # the same count every run
-    return flops / _median_seconds(lambda: kernels.tile_peak(iterations), repeats) / 1e9
+def peak_gflop_s(peak: Callable[[int], float], iterations: int, repeats: int = 3) -> float:
+    """A unit's bf16 throughput on every thread from registers (no memory read): `peak` is the kernels'
+    `dot_peak` (AVX-512) or `tile_peak` (AMX tiles), the compute ceiling of the products on that unit."""
+    flops = peak(iterations)  # the same count every run
+    return flops / _median_seconds(lambda: peak(iterations), repeats) / 1e9
 
 
 def random_large(dtype, seed: int = 0):

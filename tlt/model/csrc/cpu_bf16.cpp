@@ -603,6 +603,26 @@ TARGET_AMX inline void values_product(int c) {
   }
 }
 
+// AVX-512's own bf16 throughput, the ceiling of the products that run on block (no AMX): `iterations` x DOT_CHAINS
+// VDPBF16PS on registers, each into its own accumulator (independent chains hide the instruction's latency), so
+// the loop reads no memory. Returns the accumulators' sum, positive, so the compiler keeps the loop.
+constexpr int DOT_CHAINS = 24;  // as many as block<12> keeps
+TARGET float dot_peak_task(int64_t iterations) {
+  __m512 acc[DOT_CHAINS];
+#pragma GCC unroll 24
+  for (int c = 0; c < DOT_CHAINS; ++c) acc[c] = _mm512_set1_ps(c + 1);  // distinct: no two chains merge into one
+  __m512bh x = (__m512bh)_mm512_set1_epi16(0x3c00), w = (__m512bh)_mm512_set1_epi16(0x3c00);  // bf16 1/128
+  for (int64_t i = 0; i < iterations; ++i) {
+    asm volatile("" : "+v"(x));  // x is opaque each iteration: the compiler cannot fold the products into one
+#pragma GCC unroll 24
+    for (int c = 0; c < DOT_CHAINS; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, w);  // accumulators in registers
+  }
+  float sum = 0;
+#pragma GCC unroll 24
+  for (int c = 0; c < DOT_CHAINS; ++c) sum += _mm512_reduce_add_ps(acc[c]);
+  return sum;
+}
+
 // The tile unit's own throughput, the ceiling of every product on tiles: `tasks` x `iterations` x four TDPBF16PS
 // (two A by two B tiles into four C tiles, loaded once, so the loop reads no memory).
 TARGET_AMX void tile_peak_task(int64_t iterations, int64_t tasks) {
@@ -969,6 +989,19 @@ bool supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512bf16");
+}
+
+// Floating-point operations of dot_peak_task run once on every thread of the pool; the caller times it.
+double dot_peak(int64_t iterations) {
+  TORCH_CHECK(supported(), "dot_peak: this CPU has no AVX-512 bf16");
+  TORCH_CHECK(iterations >= 1, "dot_peak: iterations must be >= 1");
+  int64_t tasks = at::get_num_threads();
+  std::vector<float> sums(tasks);
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) sums[t] = dot_peak_task(iterations);
+  });
+  TORCH_CHECK(std::all_of(sums.begin(), sums.end(), [](float v) { return v > 0; }), "dot_peak: no sums");
+  return 2.0 * 32 * DOT_CHAINS * static_cast<double>(iterations) * static_cast<double>(tasks);  // 2 a multiply-add
 }
 
 namespace {
@@ -1637,6 +1670,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx", &amx);
   m.def("set_amx", &set_amx);
   m.def("tile_peak", &tile_peak);
+  m.def("dot_peak", &dot_peak);
   m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("residual"),
         py::arg("scales") = py::none(), py::arg("silu") = false);
   m.def("rms_norm", &rms_norm);
