@@ -270,7 +270,7 @@ class KVCache:
         if K == 0:
             self.rollback(base)
             return
-        kernels = self._kernels()
+        kernels = self.kernels()
         if kernels is not None:  # one call for every layer, row and head instead of indexing ops
             kernels.compact(self._store, self.num_layers, base.long().contiguous(), keep.long().contiguous(),
                             counts.long().contiguous(), self.paired)
@@ -296,7 +296,7 @@ class KVCache:
                 s[:, rows, :, dst] = s[:, rows, :, src]
         self.lengths = base + counts
 
-    def _kernels(self):
+    def kernels(self):
         """tlt's CPU kernels where they hold this cache (bf16 on the CPU: `cache_dtype` chose it for them),
         else None."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:

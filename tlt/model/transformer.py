@@ -188,7 +188,7 @@ def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, a
     if tree_mask is None and attention_mask is None and (hi == 0 or (T == 1 and lo == hi)):
         return None
     tree = torch.ones(T, T, dtype=torch.bool, device=device).tril() if tree_mask is None else tree_mask.bool()
-    kernels = cache._kernels() if dtype == torch.float32 else None
+    kernels = cache.kernels() if dtype == torch.float32 else None
     if kernels is not None:  # the same mask in one pass of tlt's CPU kernels (a drafter call's: 0.03 ms, by operators 0.23-0.34)
         valid = None if attention_mask is None else attention_mask.bool()
         return kernels.tree_mask(cache.lengths, tree if tree.dim() == 3 else tree[None], valid, hi + T)
