@@ -266,7 +266,7 @@ def test_compaction_moves_paired_values_with_their_slots(bases, kernel, monkeypa
     cache of the same values, whether the rows' accepted paths start at one slot or at several (odd and even
     starts, odd and even moves); also with the kernel turned off (the indexing path of paired values)."""
     if not kernel:
-        monkeypatch.setattr(KVCache, "_kernels", lambda self: None)
+        monkeypatch.setattr(KVCache, "kernels", lambda self: None)
     L, B, H, D = 2, 3, 2, 4
     data = torch.randn(2 * L, B, H, 16, D).bfloat16()
     # a float32 cache of the same values (the indexing path) against bf16 ones (tlt's kernels where they run)
@@ -295,7 +295,7 @@ def test_compaction_moves_only_the_kept_slots_of_each_row(dtype, paired, kernel,
     is) may carry offsets that point past the cache, as `DraftState.trim` gives the rows it leaves alone;
     the indexing path moves what the kernel moves."""
     if not kernel:
-        monkeypatch.setattr(KVCache, "_kernels", lambda self: None)
+        monkeypatch.setattr(KVCache, "kernels", lambda self: None)
     L, B, H, D = 1, 2, 2, 4
     cache = KVCache(L, B, H, D, dtype=dtype, block=8, paired=paired)
     cache.reserve(16)
