@@ -19,7 +19,7 @@ def small_machine(monkeypatch):
 
 
 def args_for(model, tmp_path, **overrides):
-    fields = dict(model=str(model), dtype="float32", threads=1, prompt_len=8, repeats=2, no_hf=False,
+    fields = dict(model=str(model), dtype="float32", threads=1, prompt_len=8, repeats=2, no_hf=False, grid=(),
                   json=tmp_path / "roofline.json")
     fields.update(overrides)
     return argparse.Namespace(**fields)
@@ -61,6 +61,26 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
             record["tlt_kernel_256_rows_gflop_s"] / record["bandwidth_before_gb_s"])
     if kernels is None or not kernels.amx():
         assert "amx_tile_peak_gflop_s" not in record
+
+
+def test_grid_times_each_batch_with_t_tokens_against_one(hf_folder, tmp_path, small_machine):
+    _, folder = hf_folder("qwen3", seed=1)
+    grid = roofline.grid_shapes("3,1:4")
+    assert grid == ((1, 1), (1, 4), (3, 1), (3, 4))
+    assert roofline.run(args_for(folder, tmp_path, no_hf=True, grid=grid)) == 0
+    record = json.loads((tmp_path / "roofline.json").read_text())
+    ms = {(r["batch"], r["new_tokens"]): r["ms"] for r in record["rows"]}
+    assert set(ms) == set(roofline.base_shapes()) | set(grid)  # (1, 1) and (1, 4) once each
+    assert len(record["rows"]) == len(ms)
+    assert record["summary"]["break_even_acceptance"] == {
+        "b1_t4": pytest.approx(ms[(1, 4)] / ms[(1, 1)]), "b3_t4": pytest.approx(ms[(3, 4)] / ms[(3, 1)])}
+    assert record["config"]["grid"] == [list(shape) for shape in grid]
+
+
+@pytest.mark.parametrize("text", ["4,8", "4:x", ":3", "0:3", "4,8:3:5", "4:-1"])
+def test_grid_rejects_what_is_not_batches_colon_tokens(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="B,...:T,..."):
+        roofline.grid_shapes(text)
 
 
 def test_dot_peak_counts_the_operations_it_runs():

@@ -59,8 +59,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--prompt-len", type=_positive_int, default=200, help="cached tokens per row (P)")
     parser.add_argument("--repeats", type=_positive_int, default=7)
+    parser.add_argument("--grid", type=grid_shapes, default=(), metavar="B,...:T,...",
+                        help="also time every batch B with T new tokens a row (and with one), e.g. 4,8,16,32:3,5,9: "
+                             "where a verification of T tokens costs about one token's step, speculation pays")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
+
+
+def grid_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """`B,...:T,...` as the (batch, new tokens) shapes of every B with every T and with 1."""
+    parts = text.split(":")
+    try:
+        batches, tokens = ([int(x) for x in part.split(",")] for part in parts) if len(parts) == 2 else ([], [])
+    except ValueError:
+        batches, tokens = [], []
+    if not batches or not tokens or min(batches + tokens) < 1:
+        raise argparse.ArgumentTypeError(f"expected B,...:T,... (positive integers, e.g. 4,8,16:3,9), got {text!r}")
+    return tuple((b, t) for b in sorted(set(batches)) for t in sorted(set(tokens) | {1}))
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -192,9 +207,10 @@ class HFSystem(System):
         return lambda: self.model(new_ids, use_cache=True, **{self.cache_arg: past}).logits
 
 
-def measure(model, hf, prompt_len: int, repeats: int,
-            probe: Callable[[], Any] | None = None) -> tuple[list[dict[str, Any]], list[float]]:
-    """Median ms of each (system, batch, new tokens) forward; systems and shapes alternate per repeat.
+def measure(model, hf, prompt_len: int, repeats: int, probe: Callable[[], Any] | None = None,
+            grid: tuple[tuple[int, int], ...] = ()) -> tuple[list[dict[str, Any]], list[float]]:
+    """Median ms of each (system, batch, new tokens) forward, the fixed shapes and `grid`'s; systems and
+    shapes alternate per repeat.
     With `probe` (a read of BANDWIDTH_BYTES), one timed read per repeat joins the rotation: the read
     bandwidth in GB/s of each repeat comes back beside the rows, measured under the same load as the
     forwards (on a shared machine it moves with the neighbours' traffic, 26-52 GB/s here)."""
@@ -202,7 +218,8 @@ def measure(model, hf, prompt_len: int, repeats: int,
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    shapes = [(1, t) for t in NEW_TOKENS] + [(b, 1) for b in BATCHES]
+    shapes = base_shapes()
+    shapes += [shape for shape in grid if shape not in shapes]
     systems = [TltSystem("tlt", model, prompt_len, vocab)]
     if hf is not None:
         systems.append(HFSystem("transformers", hf, prompt_len, vocab))
@@ -237,6 +254,11 @@ def measure(model, hf, prompt_len: int, repeats: int,
     rows = [{"system": name, "batch": b, "new_tokens": t, "ms": 1e3 * statistics.median(s), "samples_ms": [1e3 * x for x in s]}
             for (name, b, t), s in samples.items()]
     return rows, bandwidth
+
+
+def base_shapes() -> list[tuple[int, int]]:
+    """The (batch, new tokens) shapes every run times."""
+    return [(1, t) for t in NEW_TOKENS] + [(b, 1) for b in BATCHES]
 
 
 def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
@@ -310,6 +332,11 @@ def summarize(rows: list[dict], limit_ms: float, limits_ms: list[float]) -> dict
         **{f"paired_t{t}_vs_t1": paired(samples[("tlt", 1, t)], samples[("tlt", 1, 1)]) for t in NEW_TOKENS[1:]},
         "paired_one_token_vs_limit": paired(samples[("tlt", 1, 1)], limits_ms),
     }
+    grid = {(b, t) for (system, b, t) in ms if system == "tlt" and t > 1 and (b, t) not in base_shapes()}
+    if grid:
+        # A step that verifies t tokens a row at batch b costs this many plain steps: speculation pays there only
+        # where a step accepts more tokens a row than that (before the drafter's own cost).
+        out["break_even_acceptance"] = {f"b{b}_t{t}": ms[("tlt", b, t)] / ms[("tlt", b, 1)] for b, t in sorted(grid)}
     if ("transformers", 1, 1) in ms:
         out["vs_transformers_batch1"] = ms[("transformers", 1, 1)] / one
         out["vs_transformers"] = {f"b{b}_t{t}": ms[("transformers", b, t)] / ms[("tlt", b, t)]
@@ -322,7 +349,9 @@ def format_table(rows: list[dict], limit_ms: float) -> str:
     systems = sorted({r["system"] for r in rows}, key=lambda s: s != "tlt")
     header = f"{'batch':>5} {'new':>4}" + "".join(f"  {s + ' ms':>16} {'x T=1':>6}" for s in systems) + f"  {'limit / tlt':>11}"
     lines = [header, "-" * len(header)]
-    for b, t in [(1, t) for t in NEW_TOKENS] + [(b, 1) for b in BATCHES]:
+    shapes = base_shapes()
+    shapes += sorted({(b, t) for (_, b, t) in ms} - set(shapes))
+    for b, t in shapes:
         cells = "".join(f"  {ms[(s, b, t)]:>16.2f} {ms[(s, b, t)] / ms[(s, 1, 1)]:>6.2f}" for s in systems)
         lines.append(f"{b:>5} {t:>4}{cells}  {limit_ms / ms[('tlt', b, t)]:>11.2f}")
     return "\n".join(lines)
@@ -348,8 +377,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             folder = resolve_model_path(args.model)
             model = tlt.load_model(folder, dtype=args.dtype)
-        if args.prompt_len + max(NEW_TOKENS) > model.config.max_position_embeddings:
-            raise TltError(f"--prompt-len {args.prompt_len} + {max(NEW_TOKENS)} new tokens exceed the model's "
+        most = max([*NEW_TOKENS, *(t for _, t in args.grid)])
+        if args.prompt_len + most > model.config.max_position_embeddings:
+            raise TltError(f"--prompt-len {args.prompt_len} + {most} new tokens exceed the model's "
                            f"max_position_embeddings ({model.config.max_position_embeddings})")
         hf = None
         if not args.no_hf:
@@ -364,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
               f"{model.config.num_hidden_layers} layers; threads={torch.get_num_threads()}; measuring the machine ...")
         limits = machine_limits(dtype)
         data = torch.ones(BANDWIDTH_BYTES // 4)
-        rows, bandwidth = measure(model, hf, args.prompt_len, args.repeats, probe=data.sum)
+        rows, bandwidth = measure(model, hf, args.prompt_len, args.repeats, probe=data.sum, grid=args.grid)
         del data
         # The limit takes the bandwidth read between the forwards; the figure read before them stays beside it.
         limits["bandwidth_before_gb_s"] = limits["bandwidth_gb_s"]
@@ -381,6 +411,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"bandwidth limit of one step: {limit_ms:.2f} ms (weight bytes / the median read bandwidth between the forwards); "
           f"cached tokens per row: {args.prompt_len}; medians of {args.repeats} alternating repeats")
     print(format_table(rows, limit_ms))
+    if "break_even_acceptance" in summary:
+        print("a step verifying T tokens a row costs this many one-token steps of its batch (speculation pays above it): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in summary["break_even_acceptance"].items()))
     print(f"tlt one token: {summary['one_token_vs_limit']:.2f}x the bandwidth limit "
           f"({100 * summary['bandwidth_fraction']:.0f}% of the read bandwidth), {100 * shares['products']:.0f}% of it in products, {100 * shares['attention']:.0f}% in attention; "
           + ", ".join(f"T={t}: {summary[f't{t}_vs_t1']:.2f}x T=1" for t in NEW_TOKENS[1:])
@@ -390,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
     record = {
         "config": {"command": shlex.join(sys.argv), "model": args.model, "dtype": args.dtype,
                    "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "repeats": args.repeats,
+                   "grid": [list(shape) for shape in args.grid],
                    "weight_bytes": weight_bytes, "torch": torch.__version__,
                    "transformers": None if hf is None else transformers.__version__},
         **limits,
