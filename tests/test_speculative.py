@@ -13,7 +13,7 @@ from tlt.speculative import Drafter, Strategy
 
 from random_weights import randomize_
 
-STRATEGIES = ["chain-d3", "tree-d4-k3-v10", "ngram-d4"]
+STRATEGIES = ["chain-d3", "tree-d4-k3-v10", "ngram-d4", "tree-d4-k3-v10-p30"]
 
 
 def random_target(vocab=61, seed=0, scale=0.3):
@@ -121,7 +121,7 @@ def test_logprobs_and_features_equal_full_forward(strategy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("strategy", ["tree-d4-k3-v10", "ngram-d4"])
+@pytest.mark.parametrize("strategy", ["tree-d4-k3-v10", "ngram-d4", "tree-d4-k3-v10-p20"])
 def test_target_only_verification_reproduces_plain_sampling(strategy, dtype):
     """Tree and n-gram verification draw each token with the uniform plain decoding uses at that
     position, so with the same seed the samples are the same, token for token (bf16 too: tlt's kernels
@@ -192,6 +192,7 @@ SETTINGS = [
     ("adversarial", "tree-d3-k2-v5", 1.0, -1, 0.8),
     ("random", "tree-d3-k3-v6", 1.3, 5, 1.0),
     ("random", "ngram-d3", 1.0, 5, 0.8),
+    ("trained", "tree-d3-k2-v5-p40", 1.0, -1, 1.0),  # pruned: rows verify 0 to 5 nodes
 ]
 
 
@@ -237,8 +238,12 @@ def test_chi_square_catches_a_biased_verifier(monkeypatch):
 
 
 def test_strategy_names_round_trip_and_validation():
-    for name in ("off", "chain-d4", "ngram-d6", "tree-d6-k4-v24"):
+    for name in ("off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "tree-d4-k2-v8-p20"):
         assert Strategy.parse(name).name == name
+    assert Strategy.parse("tree-d4-k2-v8-p20").prune == 20 and Strategy.parse("tree-d4-k2-v8").prune == 0
+    for bad in ("chain-d4-p20", "hybrid-d4-k2-v8-p20", "tree-d4-k2-v8-p100"):
+        with pytest.raises(tlt.ConfigError, match="prune"):
+            Strategy.parse(bad)
     # only verify.walk's strategies draw with plain sampling's uniforms whatever the drafts
     assert [Strategy.parse(n).target_only for n in ("off", "chain-d4", "ngram-d6", "tree-d6-k4-v24")] == [
         False, False, True, True]
@@ -253,6 +258,55 @@ def test_strategy_names_round_trip_and_validation():
             Strategy.parse(deep)
     with pytest.raises(ValueError, match="needs a drafter"):
         engine(random_target(), "tree-d3-k2-v4")
+
+
+def test_pruned_tree_keeps_the_nodes_above_the_floor_with_their_ancestors():
+    from tlt.speculative.tree import _select
+
+    # pool: level 1 nodes 0 and 1 (from the root), level 2 nodes 2 (child of 0) and 3 (child of 1)
+    tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]])
+    parents = torch.tensor([[-1, -1, 0, 1]] * 3)
+    depth = torch.tensor([[1, 1, 2, 2]] * 3)
+    scores = torch.tensor([[-0.1, -2.0, -0.3, -2.5],  # p 0.90, 0.14, 0.74, 0.08
+                           [-3.0, -4.0, -5.0, -6.0],  # none above one half
+                           [-0.2, -0.4, -0.6, -0.5]])  # all, but verify_tokens keeps three
+    root = torch.tensor([1, 2, 3])
+    draft = _select(tokens, parents, scores, depth, root, Strategy.parse("tree-d2-k2-v3-p50"), None)
+    assert draft.valid.tolist() == [[True, True, True, False], [True, False, False, False], [True] * 4]
+    assert draft.tokens[0, :3].tolist() == [1, 10, 12] and draft.parents[0].tolist() == [-1, 0, 1, -2]
+    assert draft.parents[1].tolist() == [-1, -2, -2, -2] and draft.depth[1].tolist() == [0, 0, 0, 0]
+    assert draft.tokens[2].tolist() == [3, 30, 31, 33] and draft.parents[2].tolist() == [-1, 0, 0, 2]
+    assert draft.depth[0].tolist() == [0, 1, 2, 0] and draft.depth[2].tolist() == [0, 1, 1, 2]
+    # unpruned, every row keeps verify_tokens nodes
+    full = _select(tokens, parents, scores, depth, root, Strategy.parse("tree-d2-k2-v3"), None)
+    assert bool(full.valid.all()) and full.tokens.shape == (3, 4)
+    # a floor no node reaches leaves the roots alone: a plain step's one token a row
+    none = _select(tokens, parents, scores - 10, depth, root, Strategy.parse("tree-d2-k2-v3-p50"), None)
+    assert none.tokens.tolist() == [[1], [2], [3]] and none.parents.tolist() == [[-1]] * 3
+
+
+def test_pruned_tree_verifies_fewer_tokens_than_the_full_one(monkeypatch):
+    from tlt.speculative.decoder import SpeculativeDecoder
+
+    real_verify = SpeculativeDecoder._verify
+    verified = []  # real draft tokens (roots included) of each verification
+
+    def counting(self, batch, draft):
+        verified.append(int(draft.valid.sum()))
+        return real_verify(self, batch, draft)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_verify", counting)
+    target = random_target(seed=6)
+    drafter = Drafter.from_target(target, seed=7)
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5]]
+    params = tlt.SamplingParams(n=3, temperature=1.0, max_tokens=30, seed=2, ignore_eos=True)
+    runs = {}
+    for name in ("tree-d4-k3-v10", "tree-d4-k3-v10-p20"):
+        verified.clear()
+        out = engine(target, name, drafter).generate(prompts, params)
+        runs[name] = (sum(verified) / len(verified), tokens_of(out))
+    assert runs["tree-d4-k3-v10-p20"][1] == runs["tree-d4-k3-v10"][1]  # target-only: the same samples
+    assert runs["tree-d4-k3-v10-p20"][0] < runs["tree-d4-k3-v10"][0]
 
 
 def test_drafter_save_load_and_target_check(tmp_path):

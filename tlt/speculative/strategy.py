@@ -3,7 +3,10 @@
 kind: "off" (plain decoding), "chain" (the learned drafter proposes `depth` tokens in a line, sampled
 from its own distribution q; verified by min(1, p/q) speculative sampling), "tree" (EAGLE-2 dynamic
 tree: expand the `topk` best children of the `topk` best nodes for `depth` levels, keep the
-`verify_tokens` nodes of highest cumulative draft log-prob; verified target-only), "ngram" (the
+`verify_tokens` nodes of highest cumulative draft log-prob, and with `prune` P > 0 only those of them whose
+path the drafter gives at least P% probability, so a row verifies from 0 to `verify_tokens` of them: where
+a forward is bound by arithmetic, each verified token costs about as much as it may add; verified
+target-only), "ngram" (the
 model-free drafter: continuation of the longest suffix match in the prompt, the sequence itself and
 its sibling samples, up to `depth` tokens; verified target-only), "suffix" (the suffix drafter,
 suffix.py: a tree of up to `verify_tokens` nodes and `depth` levels from the longest suffix match over
@@ -31,10 +34,14 @@ class Strategy:
     depth: int = 6
     topk: int = 4
     verify_tokens: int = 24
+    prune: int = 0  # tree only: the least drafter path probability, in percent, a verified node needs (0: none)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"Strategy field 'kind' must be one of {KINDS}, got {self.kind!r}")
+        if self.prune and (self.kind != "tree" or not 0 < self.prune < 100):
+            raise ConfigError(f"Strategy field 'prune' is a percent from 1 to 99 for a tree draft, got {self.prune} "
+                              f"for {self.kind!r}")
         for name in ("depth", "topk", "verify_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"Strategy field {name!r} must be >= 1, got {getattr(self, name)}")
@@ -81,7 +88,8 @@ class Strategy:
         if self.kind == "off":
             return "off"
         if self.kind in ("tree", "hybrid"):
-            return f"{self.kind}-d{self.depth}-k{self.topk}-v{self.verify_tokens}"
+            pruned = f"-p{self.prune}" if self.prune else ""
+            return f"{self.kind}-d{self.depth}-k{self.topk}-v{self.verify_tokens}{pruned}"
         if self.kind == "suffix":
             return f"suffix-d{self.depth}-v{self.verify_tokens}"
         return f"{self.kind}-d{self.depth}"
@@ -95,10 +103,10 @@ class Strategy:
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
-        """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "suffix-d16-v32",
-        "hybrid-d4-k2-v16"."""
+        """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "tree-d4-k2-v8-p20",
+        "suffix-d16-v32", "hybrid-d4-k2-v16"."""
         parts = text.split("-")
-        fields = {"d": "depth", "k": "topk", "v": "verify_tokens"}
+        fields = {"d": "depth", "k": "topk", "v": "verify_tokens", "p": "prune"}
         kwargs = {}
         try:
             for part in parts[1:]:

@@ -17,6 +17,7 @@ kept set always contains its ancestors. The drafter's cache then forgets the dra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -147,16 +148,29 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
 
 def _select(tokens, parents, scores, depth, root, strategy, q) -> Draft:
     """Keep the best verify_tokens nodes (all of a chain), ordered by depth, re-indexed with the root
-    as node 0. The pool is in depth order (see `expand`), so sorting by pool index orders by depth."""
+    as node 0. The pool is in depth order (see `expand`), so sorting by pool index orders by depth.
+    With `strategy.prune`, of those only the nodes whose path score is at least log(prune / 100) stay, in
+    the same order, and the rest of a row is right-aligned padding (a row may keep none). A node's score
+    is its parent's plus a log-probability, less a tie-break per level, so it is below its parent's: the
+    kept nodes of a row hold their ancestors, as the best verify_tokens do."""
     B, P = tokens.shape
     device = tokens.device
     keep = P if strategy.kind == "chain" else min(strategy.verify_tokens, P)
     chosen = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [B, keep] parents first
+    kept = torch.ones(B, keep, dtype=torch.bool, device=device)
+    if strategy.prune:
+        kept = scores.gather(1, chosen) >= math.log(strategy.prune / 100)
+        order = ((~kept).long() * (P + 1) + chosen).argsort(dim=1)  # kept nodes first, each part in pool order
+        chosen, kept = chosen.gather(1, order), kept.gather(1, order)
+        keep = int(kept.sum(1).max())
+        chosen, kept = chosen[:, :keep], kept[:, :keep]
     # Column 0 stands for the root (pool parent -1), column j + 1 for pool node j: its new index.
     new_index = torch.zeros(B, P + 1, dtype=torch.long, device=device)
     new_index.scatter_(1, chosen + 1, torch.arange(1, keep + 1, device=device).expand(B, keep))
     par = new_index.gather(1, parents.gather(1, chosen) + 1)  # [B, keep] new parent index, 0 = root
     out_tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
-    out_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device), par], 1)
-    out_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), depth.gather(1, chosen)], 1)
-    return Draft(out_tokens, out_parents, out_depth, torch.ones_like(out_tokens, dtype=torch.bool), q)
+    out_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device), par.masked_fill(~kept, -2)], 1)
+    out_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device),
+                           depth.gather(1, chosen).masked_fill(~kept, 0)], 1)
+    valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), kept], 1)
+    return Draft(out_tokens, out_parents, out_depth, valid, q)
