@@ -309,6 +309,37 @@ def test_pruned_tree_verifies_fewer_tokens_than_the_full_one(monkeypatch):
     assert runs["tree-d4-k3-v10-p20"][0] < runs["tree-d4-k3-v10"][0]
 
 
+def test_pruned_tree_stops_expanding_where_no_row_can_keep_a_deeper_node(monkeypatch):
+    """A level whose frontier is under the floor in every row ends the expansion: the drafts verified are
+    those of the full expansion, node for node, with fewer drafter calls."""
+    import tlt.speculative.tree as tree
+    from tlt.speculative.decoder import SpeculativeDecoder
+
+    real_verify, real_below = SpeculativeDecoder._verify, tree.below_floor
+    drafts, stops = [], []
+
+    def recording(self, batch, draft):
+        drafts.append([(t[v].tolist(), p[v].tolist()) for t, p, v in zip(draft.tokens, draft.parents, draft.valid)])
+        return real_verify(self, batch, draft)
+
+    def counted(frontier_score, strategy):
+        stops.append(real_below(frontier_score, strategy))
+        return stops[-1]
+
+    monkeypatch.setattr(SpeculativeDecoder, "_verify", recording)
+    target = random_target(seed=6)
+    drafter = Drafter.from_target(target, seed=7)
+    params = tlt.SamplingParams(n=3, temperature=1.0, max_tokens=30, seed=2, ignore_eos=True)
+    runs = []
+    for below in (counted, lambda frontier_score, strategy: False):  # early stop, then the full expansion
+        monkeypatch.setattr(tree, "below_floor", below)
+        drafts.clear()
+        out = engine(target, "tree-d6-k2-v10-p30", drafter).generate([[3, 4, 5], [9, 8, 7, 6, 5]], params)
+        runs.append((list(drafts), tokens_of(out)))
+    assert runs[0] == runs[1]
+    assert any(stops)  # the random drafter's paths fall under 30% within six levels
+
+
 def test_drafter_save_load_and_target_check(tmp_path):
     target = random_target()
     drafter = Drafter.from_target(target, seed=3)

@@ -129,6 +129,8 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
             break
         # The next frontier: the k best children, run through the drafter.
         frontier_score, best = child_score.topk(k, dim=-1)  # [B, k] (a level has F * k >= k children)
+        if below_floor(frontier_score, strategy):
+            break
         nxt_tok = child_tok.gather(1, best)
         parent = (best // k)[..., None]  # [B, k, 1] index in the frontier
         parent_feat = frontier_feat.gather(1, parent.expand(-1, -1, H))  # [B, k, H]
@@ -144,6 +146,13 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     depth = torch.tensor([lv + 1 for lv, t in enumerate(pool_tokens) for _ in range(t.shape[1])], device=device)
     return _select(torch.cat(pool_tokens, 1), torch.cat(pool_parent, 1), torch.cat(pool_score, 1),
                    depth.expand(B, -1), batch.last_tokens, strategy, torch.stack(q_rows, 1) if q_rows else None)
+
+
+def below_floor(frontier_score: torch.Tensor, strategy) -> bool:
+    """Whether every row's frontier lies under a pruned tree's floor: so then does every node a deeper
+    level could add (a node scores below its parent), none of which the draft would keep, so the
+    expansion stops there, a drafter call saved per level left."""
+    return bool(strategy.prune) and bool((frontier_score < math.log(strategy.prune / 100)).all())
 
 
 def _select(tokens, parents, scores, depth, root, strategy, q) -> Draft:
