@@ -62,11 +62,14 @@ namespace {
 constexpr int64_t GROUP = 32;  // output columns per packed group: 2 zmm of 16 float32
 constexpr int64_t ROWS = 12;   // rows per register block: 12 x 2 accumulators + 2 weights + 1 input
 constexpr int64_t CHUNK = 48;  // rows per task: a weight group (K * 64 bytes) stays in L2 while they pass
-// Weight elements (8 KB) prefetched ahead into L2: compute-heavy blocks (9-12 rows) otherwise stall on the
+// Weight elements (4 KB) prefetched ahead into L2: compute-heavy blocks (9-12 rows) otherwise stall on the
 // stream (a 9-row product over 230 MB: 9.3 ms against 12.1 without; one row unchanged). A group's later row
 // blocks read it from L2 and prefetch the next group instead, so the stream never pauses while they compute
-// (17 rows over 296 MB: 17.1 against 17.8 ms, medians of 21 alternating runs).
-constexpr int64_t PREFETCH = 4096;
+// (17 rows over 296 MB: 17.1 against 17.8 ms, medians of 21 alternating runs). The distance: on the 2-core
+// EPYC the bench policy's products through twelve layers (scripts/kernel_ab.py --linear 1 9 24) take 0.95-0.98x
+// the time at one row with 2,048 elements ahead than with 4,096, 0.96x at nine rows, 0.99-1.00x at 24 (two
+// runs); 1,024 ahead 1.18x at nine, 8,192 1.07-1.10x.
+constexpr int64_t PREFETCH = 2048;
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -107,7 +110,7 @@ using Block = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float
 // products run on vdpbf16ps as bf16 weights do. Weight w[k][c] = scale[j][c] m + low[j][c] over the k-group j
 // (pairs / qgroups pairs: 64, 32 or 16, or all of K), so per k-group and row the block adds scale * acc +
 // shift * xsum, shift = low - 128 scale and xsum the row's sum of x over the k-group (linear computes it
-// once per row). The prefetch runs PREFETCH bytes (4 K elements of bf16, 8 K codes here) ahead.
+// once per row). The prefetch runs PREFETCH bytes (2 K elements of bf16, 4 K codes here) ahead.
 template <int R>
 TARGET void block4(const uint16_t* x, int64_t x_stride, const uint8_t* w, int64_t pairs, const float* scale_shift,
                    const float* xsum, int64_t qgroups, float* acc_out, const uint8_t* prefetch) {
