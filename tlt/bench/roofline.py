@@ -332,7 +332,8 @@ def summarize(rows: list[dict], limit_ms: float, limits_ms: list[float]) -> dict
         **{f"paired_t{t}_vs_t1": paired(samples[("tlt", 1, t)], samples[("tlt", 1, 1)]) for t in NEW_TOKENS[1:]},
         "paired_one_token_vs_limit": paired(samples[("tlt", 1, 1)], limits_ms),
     }
-    grid = {(b, t) for (system, b, t) in ms if system == "tlt" and t > 1 and (b, t) not in base_shapes()}
+    base = base_shapes()
+    grid = {(b, t) for (system, b, t) in ms if system == "tlt" and t > 1 and (b, t) not in base}
     if grid:
         # A step that verifies t tokens a row at batch b costs this many plain steps: speculation pays there only
         # where a step accepts more tokens a row than that (before the drafter's own cost).

@@ -17,6 +17,7 @@ drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in one verificat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tlt.errors import ConfigError
@@ -52,6 +53,12 @@ class Strategy:
             field = "depth" if self.depth > MAX_DEPTH else "verify_tokens"
             raise ConfigError(f"Strategy field {field!r} must be <= {MAX_DEPTH} for a {self.kind} draft (its paths "
                               f"would reach {deepest} tokens deep), got {getattr(self, field)}")
+
+    @property
+    def floor(self) -> float:
+        """The least path score (cumulative draft log-prob) a pruned tree verifies: log(prune / 100); -inf
+        unpruned."""
+        return math.log(self.prune / 100) if self.prune else -math.inf
 
     @property
     def uses_drafter(self) -> bool:

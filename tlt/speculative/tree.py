@@ -17,7 +17,6 @@ kept set always contains its ancestors. The drafter's cache then forgets the dra
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -152,7 +151,7 @@ def below_floor(frontier_score: torch.Tensor, strategy) -> bool:
     """Whether every row's frontier lies under a pruned tree's floor: so then does every node a deeper
     level could add (a node scores below its parent), none of which the draft would keep, so the
     expansion stops there, a drafter call saved per level left."""
-    return bool(strategy.prune) and bool((frontier_score < math.log(strategy.prune / 100)).all())
+    return bool(strategy.prune) and bool((frontier_score < strategy.floor).all())
 
 
 def _select(tokens, parents, scores, depth, root, strategy, q) -> Draft:
@@ -166,9 +165,9 @@ def _select(tokens, parents, scores, depth, root, strategy, q) -> Draft:
     device = tokens.device
     keep = P if strategy.kind == "chain" else min(strategy.verify_tokens, P)
     chosen = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [B, keep] parents first
-    kept = torch.ones(B, keep, dtype=torch.bool, device=device)
+    kept = None  # unpruned: every chosen node
     if strategy.prune:
-        kept = scores.gather(1, chosen) >= math.log(strategy.prune / 100)
+        kept = scores.gather(1, chosen) >= strategy.floor
         order = ((~kept).long() * (P + 1) + chosen).argsort(dim=1)  # kept nodes first, each part in pool order
         chosen, kept = chosen.gather(1, order), kept.gather(1, order)
         keep = int(kept.sum(1).max())
@@ -177,9 +176,13 @@ def _select(tokens, parents, scores, depth, root, strategy, q) -> Draft:
     new_index = torch.zeros(B, P + 1, dtype=torch.long, device=device)
     new_index.scatter_(1, chosen + 1, torch.arange(1, keep + 1, device=device).expand(B, keep))
     par = new_index.gather(1, parents.gather(1, chosen) + 1)  # [B, keep] new parent index, 0 = root
+    chosen_depth = depth.gather(1, chosen)
+    if kept is not None:  # padding: no parent, depth 0
+        par, chosen_depth = par.masked_fill(~kept, -2), chosen_depth.masked_fill(~kept, 0)
     out_tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
-    out_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device), par.masked_fill(~kept, -2)], 1)
-    out_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device),
-                           depth.gather(1, chosen).masked_fill(~kept, 0)], 1)
-    valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), kept], 1)
+    out_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device), par], 1)
+    out_depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), chosen_depth], 1)
+    valid = torch.ones_like(out_tokens, dtype=torch.bool)
+    if kept is not None:
+        valid[:, 1:] = kept
     return Draft(out_tokens, out_parents, out_depth, valid, q)
