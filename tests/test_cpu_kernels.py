@@ -328,9 +328,9 @@ def tree_visibility(parents: list[int], n: int) -> tuple[list[list[int]], torch.
 @pytest.mark.parametrize("D", [48, 128, 40])
 @pytest.mark.parametrize("S", [9, 65, 200])
 def test_attention_over_paired_values(D, S):
-    """Values in the paired layout (what a bf16 cache on the CPU holds): without AMX the same bits as the usual
-    layout (the same float32 sums in slot order); with AMX (its tiles weigh bf16-rounded weights over the
-    values as they lie) within a bf16 rounding of float32 attention."""
+    """Values in the paired layout (what a bf16 cache on the CPU holds): with D a multiple of 16, bf16-rounded
+    weights over the values as they lie (AMX tiles or VDPBF16PS) up to a split, within a bf16 rounding of float32
+    attention; otherwise the same bits as the usual layout (the same float32 sums in slot order) on either unit."""
     gen = torch.Generator().manual_seed(D * S)
     B, H, Hkv = 3, 4, 2
     for T in (1, 9):
@@ -352,15 +352,14 @@ def test_attention_over_paired_values(D, S):
                                                      values.float().repeat_interleave(H // Hkv, 1), attn_mask=causal)
             ref = ref.transpose(1, 2).reshape(B, T, H * D)
             assert (got.float() - ref).abs().max() <= 0.01
-            if kernels.amx():
-                kernels.set_amx(False)
-                try:
-                    assert torch.equal(kernels.attention(q, keys, paired(values), m, True),
-                                       kernels.attention(q, keys, values, m))
-                finally:
-                    kernels.set_amx(True)
-            else:
-                assert torch.equal(got, kernels.attention(q, keys, values, m))
+            if D % 16:
+                for tiles in [True, False] if kernels.amx() else [False]:
+                    kernels.set_amx(tiles)
+                    try:
+                        assert torch.equal(kernels.attention(q, keys, paired(values), m, True),
+                                           kernels.attention(q, keys, values, m))
+                    finally:
+                        kernels.set_amx(True)
 
 
 @needs_kernels
