@@ -1,6 +1,7 @@
 """tlt's bf16 CPU kernels (tlt/model/cpu_kernels.py): products and rms norm against float32 references,
 rows independent of the row count, and the oneDNN path taken, with a warning, where they cannot run."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,6 +23,21 @@ def test_the_kernels_load_where_the_cpu_runs_them():
     if os.environ.get(cpu_kernels.ENV, "1") == "0" or not cpu_kernels._cpu_has_bf16():
         pytest.skip("this CPU has no AVX-512 BF16, or TLT_CPU_KERNELS=0")
     assert kernels is not None, cpu_kernels._reason
+
+
+def units() -> list[bool]:
+    """The units the kernels have here, as `on_unit` takes them: AMX tiles where they run, then AVX-512 alone."""
+    return [True, False] if kernels.amx() else [False]
+
+
+@contextlib.contextmanager
+def on_unit(tiles: bool):
+    """The kernels on AMX tiles (where they run) or AVX-512 alone inside the block; AMX on again after it."""
+    kernels.set_amx(tiles)
+    try:
+        yield
+    finally:
+        kernels.set_amx(True)
 
 
 def bf16(*shape, seed=0):
@@ -330,7 +346,8 @@ def tree_visibility(parents: list[int], n: int) -> tuple[list[list[int]], torch.
 def test_attention_over_paired_values(D, S):
     """Values in the paired layout (what a bf16 cache on the CPU holds): with D a multiple of 16, bf16-rounded
     weights over the values as they lie (AMX tiles or VDPBF16PS) up to a split, within a bf16 rounding of float32
-    attention; otherwise the same bits as the usual layout (the same float32 sums in slot order) on either unit."""
+    attention; otherwise (or where no row sees enough keys for a split) the same bits as the usual layout (the same
+    float32 sums in slot order)."""
     gen = torch.Generator().manual_seed(D * S)
     B, H, Hkv = 3, 4, 2
     for T in (1, 9):
@@ -339,7 +356,7 @@ def test_attention_over_paired_values(D, S):
         q = torch.randn(B, H, T, D, generator=gen).bfloat16()
         mask = torch.where(torch.rand(B, 1, T, S, generator=gen) < 0.9, 0.0, float("-inf"))
         mask[..., 0] = 0.0
-        trailing = torch.zeros(B, 1, T, S)  # only the last keys hidden: the tiles carry the rest
+        trailing = torch.zeros(B, 1, T, S)  # only the last keys hidden: the bf16 sums carry the rest
         trailing[..., S - 3 :] = float("-inf")
         for m in (None, mask, trailing):
             got = kernels.attention(q, keys, paired(values), m, True)
@@ -352,14 +369,13 @@ def test_attention_over_paired_values(D, S):
                                                      values.float().repeat_interleave(H // Hkv, 1), attn_mask=causal)
             ref = ref.transpose(1, 2).reshape(B, T, H * D)
             assert (got.float() - ref).abs().max() <= 0.01
-            if D % 16:
-                for tiles in [True, False] if kernels.amx() else [False]:
-                    kernels.set_amx(tiles)
-                    try:
+            if D % 16 or S < 96:  # no bf16 sums (no row sees the 96 keys a split needs): the usual layout's bits
+                for tiles in units():
+                    if tiles and D % 16 == 0:  # tile scores of a paired cache's keys may differ from packed ones
+                        continue
+                    with on_unit(tiles):
                         assert torch.equal(kernels.attention(q, keys, paired(values), m, True),
                                            kernels.attention(q, keys, values, m))
-                    finally:
-                        kernels.set_amx(True)
 
 
 @needs_kernels
@@ -387,43 +403,47 @@ def test_attention_over_paired_values_gives_each_query_its_own_bits_at_any_query
 @pytest.mark.parametrize("n", [15, 16, 31, 33, 64, 124, 156, 200])
 @pytest.mark.parametrize("group,half,pair", [(2, True, False), (8, True, False), (8, False, False), (2, True, True),
                                              (8, True, True)])
-def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, group, half, pair):
+@pytest.mark.parametrize("D", [48, 64, 128])
+def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, group, half, pair, D):
     """A whole tree's verification (nine nodes of several branches, several query heads per kv head, so
     the values take more than one pass) against each node decoded alone over its cache and ancestors
-    packed one after another, over values in the usual and in the paired layout (on AMX: sums on the tiles
-    up to a split that must fall where plain decoding's does); one cached key every node sees has a weight of
-    exactly zero (its additive
-    mask -500), so the weights' sum meets a zero among the weights it adds. A sum that depended on where
-    the keys sit would differ in the last float32 bit, which the bf16 output shows only now and then:
+    packed one after another, over values in the usual and in the paired layout (paired: bf16 sums, on the
+    tiles or VDPBF16PS, up to a split that must fall where plain decoding's does; head sizes whose sums take
+    passes of 8, 6 and 3 rows), on every unit; one cached key every node sees has a weight of exactly zero
+    (its additive mask -500), so the weights' sum meets a zero among the weights it adds. A sum that depended on
+    where the keys sit would differ in the last float32 bit, which the bf16 output shows only now and then:
     hence many heads, wide heads and several draws."""
-    Hkv, D = 4, 128
+    Hkv = 4
     parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5]  # node j's parent; node 0 is the root
     T = len(parents)
     dtype = torch.bfloat16 if half else torch.float32
     seen, mask = tree_visibility(parents, n)
     mask[..., n // 2] = -500.0  # a key every node sees, with a weight of exactly zero
-    for draw in range(4):
-        gen = torch.Generator().manual_seed(1000 * draw + n * group)
-        keys = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
-        values = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
-        q = torch.randn(1, Hkv * group, T, D, generator=gen).bfloat16()
-        lay = paired if pair else (lambda v: v)
-        tree = kernels.attention(q, keys, lay(values), mask, pair)
-        for j, slots in enumerate(seen):
-            plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
-                                      lay(values[:, :, slots].contiguous()),
-                                      mask[:, :, j : j + 1, slots].contiguous(), pair)
-            assert torch.equal(tree[:, j], plain[:, 0]), f"draw {draw}, node {j}"
+    for tiles in units():
+        with on_unit(tiles):
+            for draw in range(4):
+                gen = torch.Generator().manual_seed(1000 * draw + n * group)
+                keys = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
+                values = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
+                q = torch.randn(1, Hkv * group, T, D, generator=gen).bfloat16()
+                lay = paired if pair else (lambda v: v)
+                tree = kernels.attention(q, keys, lay(values), mask, pair)
+                for j, slots in enumerate(seen):
+                    plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
+                                              lay(values[:, :, slots].contiguous()),
+                                              mask[:, :, j : j + 1, slots].contiguous(), pair)
+                    assert torch.equal(tree[:, j], plain[:, 0]), f"draw {draw}, node {j}, tiles {tiles}"
 
 
 @needs_kernels
 @pytest.mark.parametrize("n", [30, 94, 150])
-def test_a_deep_draft_path_equals_plain_decoding_bit_for_bit(n, seed=7):
+@pytest.mark.parametrize("D", [48, 128])
+def test_a_deep_draft_path_equals_plain_decoding_bit_for_bit(n, D, seed=7):
     """A root, a sibling, then a chain of 40 under the root (paths past the sibling's masked slot, as deep as
-    the margin that keeps tiles and float32 split where plain decoding splits, csrc TILE_MARGIN): every
+    the margin that keeps bf16 sums and float32 split where plain decoding splits, csrc TILE_MARGIN): every
     chain node over paired values equals plain decoding over its keys packed together, with no mask (a
-    decode step's causal call) in the plain runs."""
-    Hkv, group, D, chain = 2, 2, 128, 40
+    decode step's causal call) in the plain runs, on every unit."""
+    Hkv, group, chain = 2, 2, 40
     parents = [-1, 0, 0] + list(range(2, 2 + chain - 1))  # node 1 the sibling, 2 .. the chain under the root
     T = len(parents)
     gen = torch.Generator().manual_seed(seed + n)
@@ -431,11 +451,13 @@ def test_a_deep_draft_path_equals_plain_decoding_bit_for_bit(n, seed=7):
     values = torch.randn(1, Hkv, n + T, D, generator=gen).bfloat16()
     q = torch.randn(1, Hkv * group, T, D, generator=gen).bfloat16()
     seen, mask = tree_visibility(parents, n)
-    tree = kernels.attention(q, keys, paired(values), mask, True)
-    for j, slots in enumerate(seen):
-        plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
-                                  paired(values[:, :, slots].contiguous()), None, True)
-        assert torch.equal(tree[:, j], plain[:, 0]), f"node {j}"
+    for tiles in units():
+        with on_unit(tiles):
+            tree = kernels.attention(q, keys, paired(values), mask, True)
+            for j, slots in enumerate(seen):
+                plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
+                                          paired(values[:, :, slots].contiguous()), None, True)
+                assert torch.equal(tree[:, j], plain[:, 0]), f"node {j}, tiles {tiles}"
 
 
 @needs_kernels
@@ -457,10 +479,8 @@ def test_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(T, pair):
         values[b, :, n + T :] = 1e4  # garbage a leak would show
     q = torch.randn(len(lengths), Hkv * group, T, D, generator=gen).bfloat16()
     lay = paired if pair else (lambda v: v)
-    units = [True, False] if kernels.amx() else [False]
-    for tiles in units:
-        kernels.set_amx(tiles)
-        try:
+    for tiles in units():
+        with on_unit(tiles):
             mask = torch.full((len(lengths), 1, T, S), float("-inf"))
             alone = []
             for b, n in enumerate(lengths):
@@ -474,8 +494,6 @@ def test_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(T, pair):
             batch = kernels.attention(q, keys, lay(values), mask, pair)
             for b in range(len(lengths)):
                 assert torch.equal(batch[b], alone[b][0]), f"row {b}, tiles {tiles}"
-        finally:
-            kernels.set_amx(True)
 
 
 @needs_kernels

@@ -39,10 +39,10 @@
 // decoding's bits (tile_split): on AMX on the tiles, with the keys as A tiles as they lie in the cache (no
 // packing); on AVX-512 as VDPBF16PS over the paired values, two slots an instruction (dot_values; the 2-core
 // EPYC, 32 rows x 400-800 cached tokens through twelve layers: 0.74x the attention's time at nine tokens a row
-// against float32 FMAs, 0.91x at one). Bench policy (16 heads, 8 kv heads of 48), 24 rows x 1,200 cached tokens, a layer: 2.08 ms at
-// one token a row and 3.53 at nine, against 2.60 and 5.65 with the keys packed per call and the weighted sums
-// in float32 FMAs (medians of 7, 12 caches so nothing stays in cache; 64 rows x 300: 1.53 and 3.09 against 2.01
-// and 4.43).
+// against float32 FMAs, 0.91x at one). On AMX (a 2-core Xeon), bench policy (16 heads, 8 kv heads of 48), 24 rows
+// x 1,200 cached tokens, a layer: 2.08 ms at one token a row and 3.53 at nine, against 2.60 and 5.65 with the keys
+// packed per call and the weighted sums in float32 FMAs (medians of 7, 12 caches so nothing stays in cache; 64 rows
+// x 300: 1.53 and 3.09 against 2.01 and 4.43).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -831,9 +831,10 @@ TARGET_AMX void tile_values(const uint16_t* w, int64_t top, int64_t R, const int
 
 // tile_values' sums on AVX-512 (no tiles): VDPBF16PS takes a slot pair's bf16 weights (w[s], w[s + 1]) as one 32-bit
 // broadcast against a line of paired values (dimension d of slots s and s + 1 side by side), so one instruction adds
-// two slots' products to 16 dimensions' sums, where float32 FMAs take two plus two conversions of the values. N rows
-// a pass (N * C sums in registers), up to the pass's largest split (a row's weights are zero from its split on, which
-// changes no sum): each row's sums are its own whatever rows share the pass.
+// two slots' products to 16 dimensions' sums, where float32 FMAs take two a row (and the values' conversion). N rows
+// a pass (N * C sums and the C lines in registers; the weight pair is the instruction's broadcast memory operand),
+// up to the pass's largest split (a row's weights are zero from its split on, which changes no sum): each row's sums
+// are its own whatever rows share the pass.
 template <int C, int N>
 TARGET void pair_values(const uint16_t* w, int64_t top, int64_t upto, const uint16_t* v, int64_t vs, int64_t D,
                         float* acc) {
@@ -845,8 +846,10 @@ TARGET void pair_values(const uint16_t* w, int64_t top, int64_t upto, const uint
     __m512bh line[C];
     for (int c = 0; c < C; ++c) line[c] = (__m512bh)_mm512_loadu_si512(pr + 32 * c);
     for (int r = 0; r < N; ++r) {
-      __m512bh pair = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(w + r * top + s));
-      for (int c = 0; c < C; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], pair, line[c]);
+      int32_t bits;  // w[s], w[s + 1]
+      std::memcpy(&bits, w + r * top + s, 4);
+      __m512bh pair = (__m512bh)_mm512_set1_epi32(bits);
+      for (int c = 0; c < C; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], line[c], pair);
     }
   }
   for (int r = 0; r < N; ++r)
@@ -870,11 +873,11 @@ TARGET void dot_values(const uint16_t* w, int64_t top, int64_t R, const int64_t*
 // path (its depth + 1; tlt's strategies stay within it, tlt/speculative/strategy.py MAX_DEPTH).
 constexpr int64_t TILE_MARGIN = 64;
 
-// Where row r's weighted sum leaves the tiles for weighted_values: a multiple of 32 at least TILE_MARGIN short of its
-// count n of visible keys, 0 below that or where a masked key lies before it. Counted over the row's visible keys
-// only, a row of a tree's verification (its cache, then its ancestors among the draft's slots) splits where plain
-// decoding's same row (the same keys, next to each other) does, and both sum the same keys in the same tiles, so
-// they agree bit for bit: the masked keys of a draft lie among its last slots, past the split as long as the row
+// Where row r's weighted sum leaves the bf16 products (tiles or VDPBF16PS) for weighted_values: a multiple of 32 at
+// least TILE_MARGIN short of its count n of visible keys, 0 below that or where a masked key lies before it. Counted
+// over the row's visible keys only, a row of a tree's verification (its cache, then its ancestors among the draft's
+// slots) splits where plain decoding's same row (the same keys, next to each other) does, and both sum the same keys
+// in the same bf16 products, so they agree bit for bit: the masked keys of a draft lie among its last slots, past the split as long as the row
 // sees at most TILE_MARGIN keys from the first of them on.
 TARGET int64_t tile_split(const float* mask, int64_t visible) {
   int64_t n = visible, gap = visible;
@@ -977,7 +980,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
     }
     __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     PackedSum sum;
-    // Two loops, the tiles' bf16 slots then the float32 ones (one loop choosing the store per vector: 1.02-1.05x
+    // Two loops, the bf16 slots then the float32 ones (one loop choosing the store per vector: 1.02-1.05x
     // the attention's time at nine tokens a row).
     int64_t cut = top_split ? split[r] : 0, s = 0;  // a multiple of 32
     uint16_t* wr = wb.data() + r * top_split;
