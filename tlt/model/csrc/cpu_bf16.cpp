@@ -832,9 +832,8 @@ TARGET_AMX void tile_values(const uint16_t* w, int64_t top, int64_t R, const int
 // tile_values' sums on AVX-512 (no tiles): VDPBF16PS takes a slot pair's bf16 weights (w[s], w[s + 1]) as one 32-bit
 // broadcast against a line of paired values (dimension d of slots s and s + 1 side by side), so one instruction adds
 // two slots' products to 16 dimensions' sums, where float32 FMAs take two a row (and the values' conversion). N rows
-// a pass (N * C sums and the C lines in registers; the weight pair is the instruction's broadcast memory operand),
-// up to the pass's largest split (a row's weights are zero from its split on, which changes no sum): each row's sums
-// are its own whatever rows share the pass.
+// a pass (N * C sums and the C lines in registers), up to the pass's largest split (a row's weights are zero from its
+// split on, which changes no sum): each row's sums are its own whatever rows share the pass.
 template <int C, int N>
 TARGET void pair_values(const uint16_t* w, int64_t top, int64_t upto, const uint16_t* v, int64_t vs, int64_t D,
                         float* acc) {
@@ -856,11 +855,14 @@ TARGET void pair_values(const uint16_t* w, int64_t top, int64_t upto, const uint
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, sum[r][c]);
 }
 
-// pair_values over R rows (D = 16 C), BLOCK rows a pass and the rest in one pass of their own size.
+// pair_values over R rows (D = 16 C), BLOCK rows a pass and the rest in one pass of their own size. BLOCK keeps
+// BLOCK * C sums, C lines and the broadcast weight pair within the 32 registers: at C = 8 (head size 128) 3 rows
+// would need 33 and one sum went through the stack every slot pair (32 heads over 8 kv heads of 128, 8-16 rows x
+// 1,000 cached tokens: 2 rows a pass 0.95x the attention's time at one token a row, 0.99x at nine; same bits).
 template <int C>
 TARGET void dot_values(const uint16_t* w, int64_t top, int64_t R, const int64_t* split, const uint16_t* v, int64_t vs,
                        int64_t D, float* acc) {
-  constexpr int BLOCK = C <= 3 ? 8 : C <= 4 ? 6 : 3;
+  constexpr int BLOCK = C <= 3 ? 8 : C <= 4 ? 6 : C <= 7 ? 3 : 2;
   auto pass = [&](auto rows, int64_t r0) {
     constexpr int n = decltype(rows)::value;
     int64_t upto = *std::max_element(split + r0, split + r0 + n);
@@ -877,8 +879,8 @@ constexpr int64_t TILE_MARGIN = 64;
 // least TILE_MARGIN short of its count n of visible keys, 0 below that or where a masked key lies before it. Counted
 // over the row's visible keys only, a row of a tree's verification (its cache, then its ancestors among the draft's
 // slots) splits where plain decoding's same row (the same keys, next to each other) does, and both sum the same keys
-// in the same bf16 products, so they agree bit for bit: the masked keys of a draft lie among its last slots, past the split as long as the row
-// sees at most TILE_MARGIN keys from the first of them on.
+// in the same bf16 products, so they agree bit for bit: the masked keys of a draft lie among its last slots, past
+// the split as long as the row sees at most TILE_MARGIN keys from the first of them on.
 TARGET int64_t tile_split(const float* mask, int64_t visible) {
   int64_t n = visible, gap = visible;
   if (mask) {
