@@ -1,6 +1,6 @@
 """Two versions of tlt's bf16 CPU kernels side by side in one process: same bits, and which is faster.
 
-    python scripts/kernel_ab.py OLD.cpp NEW.cpp [--attention B,S,T ...] [--linear M ...] [--repeats 11]
+    python scripts/kernel_ab.py OLD.cpp NEW.cpp [--attention B,S,T ...] [--heads H,KV,D] [--linear M ...] [--repeats 11]
 
 builds both sources as extensions of their own names (the first build of each takes a minute or two), then
   - checks that they give the same bits: attention over a paired bf16 cache (ragged rows, tree masks, 1 to 17
@@ -9,7 +9,8 @@ builds both sources as extensions of their own names (the first build of each ta
     new tokens over S cached ones through twelve layers' caches, products of M rows through twelve layers of
     the bench policy's four products. Each figure is the median over repeats (the first is a warm-up), and the
     ratio NEW / OLD the median of the per-repeat ratios (< 1: NEW is faster).
-The shapes are the bench policy's (16 query heads over 8 kv heads of 48 dimensions; hidden 768, MLP 2560).
+The shapes are the bench policy's (16 query heads over 8 kv heads of 48 dimensions; hidden 768, MLP 2560);
+`--heads` sets the attention's (e.g. 32,8,128, a 7-8 B model's), for the bit checks and the timings alike.
 On the project's shared 2-core machine one run's ratios spread by a few percent: a change is worth keeping
 when it holds over several runs. Prints one JSON object."""
 
@@ -28,11 +29,19 @@ PRODUCTS = ((768, 1536), (768, 768), (768, 5120), (2560, 768))  # (in, out): qkv
 LAYERS = 12
 
 
-def triple(text: str) -> tuple[int, int, int]:
+def triple(text: str, names: str = "B,S,T") -> tuple[int, int, int]:
     parts = text.split(",")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected B,S,T (three positive integers), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {names} (three positive integers), got {text!r}")
     return tuple(int(p) for p in parts)
+
+
+def heads_triple(text: str) -> tuple[int, int, int]:
+    H, KV, D = triple(text, "H,KV,D")
+    if H % KV or D % 2 or D > 128:
+        raise argparse.ArgumentTypeError(f"expected H,KV,D with H a multiple of KV and D even and at most 128, "
+                                          f"got {text!r}")
+    return H, KV, D
 
 
 def build(source: Path, tag: str):
@@ -43,14 +52,16 @@ def build(source: Path, tag: str):
                               extra_cflags=["-O3", "-fopenmp"], verbose=False)
 
 
-def attention_case(B: int, S: int, T: int, ragged: bool, gen):
+def attention_case(B: int, S: int, T: int, ragged: bool, gen, heads=(HEADS, KV_HEADS, HEAD_DIM)):
     """q, keys, values and mask of one attention call: rows of S (ragged: S / 2 to S) cached tokens, T new
-    ones a row whose tree mask lets each see itself and a random half of the others before it."""
+    ones a row whose tree mask lets each see itself and a random half of the others before it; `heads`: query
+    heads, kv heads, head size."""
     import torch
 
     from tlt.model.kv_cache import KVCache
 
-    cache = KVCache(1, B, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, paired=True)
+    H, KV, D = heads
+    cache = KVCache(1, B, KV, D, dtype=torch.bfloat16, paired=True)
     cache.reserve(S + T)
     cache.store.normal_(generator=gen)
     lengths = torch.randint(max(1, S // 2), S + 1, (B,), generator=gen) if ragged else torch.full((B,), S)
@@ -61,11 +72,11 @@ def attention_case(B: int, S: int, T: int, ragged: bool, gen):
         allowed[b, 0, :, :n] = True
         allowed[b, 0, :, n : n + T] = (torch.rand(T, T, generator=gen) < 0.5).tril() | torch.eye(T, dtype=torch.bool)
     mask = torch.zeros(B, 1, T, width).masked_fill_(~allowed, float("-inf")) if T > 1 or ragged else None
-    q = torch.randn(B, HEADS, T, HEAD_DIM, generator=gen).bfloat16()
+    q = torch.randn(B, H, T, D, generator=gen).bfloat16()
     return q, cache.keys[0][:, :, :width], cache.values[0][:, :, :width], mask
 
 
-def same_bits(modules, gen) -> dict[str, bool]:
+def same_bits(modules, gen, heads=(HEADS, KV_HEADS, HEAD_DIM)) -> dict[str, bool]:
     import torch
 
     from tlt.model import cpu_kernels
@@ -73,7 +84,7 @@ def same_bits(modules, gen) -> dict[str, bool]:
     out = {}
     for B, S, T, ragged in ((1, 5, 1, False), (3, 40, 1, True), (4, 100, 9, True), (2, 300, 9, False),
                             (5, 700, 1, True), (3, 257, 17, True), (3, 130, 5, False)):
-        q, k, v, m = attention_case(B, S, T, ragged, gen)
+        q, k, v, m = attention_case(B, S, T, ragged, gen, heads)
         a, b = (mod.attention(q, k, v, m, True) for mod in modules)
         out[f"attention B={B} S={S} T={T}{' ragged' if ragged else ''}"] = torch.equal(a, b)
     for M in (1, 5, 16, 17, 48, 129, 225, 300):
@@ -106,6 +117,8 @@ def main(argv: list[str] | None = None, modules=None) -> int:
     parser.add_argument("new", type=Path)
     parser.add_argument("--attention", type=triple, nargs="*", default=[(25, 1000, 1), (25, 1000, 9)],
                         metavar="B,S,T")
+    parser.add_argument("--heads", type=heads_triple, default=(HEADS, KV_HEADS, HEAD_DIM), metavar="H,KV,D",
+                        help="the attention's query heads, kv heads and head size (default: the bench policy's)")
     parser.add_argument("--linear", type=int, nargs="*", default=[24, 216], metavar="M")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--threads", type=int, default=2)
@@ -122,11 +135,11 @@ def main(argv: list[str] | None = None, modules=None) -> int:
     if modules is None:  # (a test passes built modules)
         modules = [build(args.old, "old"), build(args.new, "new")]
     gen = torch.Generator().manual_seed(0)
-    bits = same_bits(modules, gen)
+    bits = same_bits(modules, gen, args.heads)
     result = {"same_bits": all(bits.values()), "differs": [k for k, same in bits.items() if not same],
               "attention": {}, "linear": {}}
     for B, S, T in args.attention:
-        cases = [attention_case(B, S, T, True, gen) for _ in range(LAYERS)]
+        cases = [attention_case(B, S, T, True, gen, args.heads) for _ in range(LAYERS)]
         result["attention"][f"{B},{S},{T}"] = timed(
             modules, lambda mod: [mod.attention(q, k, v, m, True) for q, k, v, m in cases], args.repeats)
     weights = [[(cpu_kernels.pack(torch.randn(N, K, generator=gen).bfloat16() * 0.02), N) for K, N in PRODUCTS]

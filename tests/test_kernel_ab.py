@@ -37,6 +37,15 @@ def test_the_same_kernels_give_the_same_bits_and_are_timed_side_by_side(script, 
         assert figures["old_ms"] > 0 and figures["new_ms"] > 0 and figures["new_over_old"] > 0
 
 
+def test_other_heads_are_checked_and_timed(script, capsys):
+    """--heads: the bit checks and timings over 32 query heads of 128 on 8 kv heads."""
+    rc = script("kernel_ab").main(["old.cpp", "new.cpp", "--attention", "2,130,3", "--heads", "32,8,128",
+                                   "--linear", "--repeats", "1", "--threads", "1"], modules=[kernels, OffByOneBit()])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["differs"]) == 7 and result["attention"]["2,130,3"]["old_ms"] > 0
+
+
 def test_a_kernel_that_changes_a_bit_is_named(script, capsys):
     result = run(script, capsys, [kernels, OffByOneBit()])
     assert not result["same_bits"]
@@ -48,6 +57,10 @@ def test_bad_arguments_are_refused_with_what_was_expected(script, capsys):
     with pytest.raises(SystemExit):
         script("kernel_ab").main(["a.cpp", "b.cpp", "--attention", "1,2"])
     assert "expected B,S,T" in capsys.readouterr().err
+    for heads in ("32,8", "12,8,64", "16,8,130"):
+        with pytest.raises(SystemExit):
+            script("kernel_ab").main(["a.cpp", "b.cpp", "--heads", heads])
+        assert "H,KV,D" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         script("kernel_ab").main(["/no/such/old.cpp", "b.cpp"])
     assert "/no/such/old.cpp: no such source file" in capsys.readouterr().err
