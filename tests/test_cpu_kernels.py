@@ -409,7 +409,7 @@ def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, 
     the values take more than one pass) against each node decoded alone over its cache and ancestors
     packed one after another, over values in the usual and in the paired layout (paired: bf16 sums, on the
     tiles or VDPBF16PS, up to a split that must fall where plain decoding's does; head sizes whose sums take
-    passes of 8, 6 and 3 rows), on every unit; one cached key every node sees has a weight of exactly zero
+    passes of 8, 6 and 2 rows), on every unit; one cached key every node sees has a weight of exactly zero
     (its additive mask -500), so the weights' sum meets a zero among the weights it adds. A sum that depended on
     where the keys sit would differ in the last float32 bit, which the bf16 output shows only now and then:
     hence many heads, wide heads and several draws."""
