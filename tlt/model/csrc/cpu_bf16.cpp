@@ -39,7 +39,7 @@
 // decoding's bits (tile_split): on AMX on the tiles, with the keys as A tiles as they lie in the cache (no
 // packing); on AVX-512 as VDPBF16PS over the paired values, two slots an instruction (dot_values; the 2-core
 // EPYC, 32 rows x 400-800 cached tokens through twelve layers: 0.74x the attention's time at nine tokens a row
-// against float32 FMAs, 0.91x at one). On AMX (a 2-core Xeon), bench policy (16 heads, 8 kv heads of 48), 24 rows
+// against float32 FMAs, 0.91-0.94x at one). On AMX (a 2-core Xeon), bench policy (16 heads, 8 kv heads of 48), 24 rows
 // x 1,200 cached tokens, a layer: 2.08 ms at one token a row and 3.53 at nine, against 2.60 and 5.65 with the keys
 // packed per call and the weighted sums in float32 FMAs (medians of 7, 12 caches so nothing stays in cache; 64 rows
 // x 300: 1.53 and 3.09 against 2.01 and 4.43).
