@@ -440,7 +440,7 @@ def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, 
 @pytest.mark.parametrize("D", [48, 128])
 def test_a_deep_draft_path_equals_plain_decoding_bit_for_bit(n, D, seed=7):
     """A root, a sibling, then a chain of 40 under the root (paths past the sibling's masked slot, as deep as
-    the margin that keeps bf16 sums and float32 split where plain decoding splits, csrc TILE_MARGIN): every
+    the margin that keeps bf16 sums and float32 split where plain decoding splits, csrc SPLIT_MARGIN): every
     chain node over paired values equals plain decoding over its keys packed together, with no mask (a
     decode step's causal call) in the plain runs, on every unit."""
     Hkv, group, chain = 2, 2, 40

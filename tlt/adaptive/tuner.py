@@ -94,9 +94,9 @@ far apart (about arms / epsilon steps under epsilon draws), so its next explorat
 stale history: an arm that was poor under last step's drafter is re-judged on fresh evidence instead of having to
 re-fill half its window at the exploration rate first. It pays within a rollout too, with the drafter fixed: on the
 2-core EPYC's bench 16 x 8 rollout, decay 1 and 0.999 ran 1.05x and 1.08x plain decoding against 1.26x at 0.99 (one
-run, docs/results/bench_rollout_epyc_decay.json), running shallower arms at 17-32 live rows. Weights only matter relative to each other
-(the median is unchanged when all weights are scaled), so an arm's score changes only when its own
-window does (or the bucket's row slope), and is cached.
+run, docs/results/bench_rollout_epyc_decay.json), running shallower arms at 17-32 live rows. Weights only matter
+relative to each other (the median is unchanged when all weights are scaled), so an arm's score changes only when its
+own window does (or the bucket's row slope), and is cached.
 
 Pruning. Once an arm and the bucket's best arm both have at least `prune_after` rewards in their
 windows, an arm whose plain window median is below `prune_ratio` x the best plain median is pruned

@@ -15,8 +15,8 @@ weights whose K is a multiple of 32, and the attention's scores, run on its tile
 tiles ~1950, so a 9-token verification of the bench policy costs 1.04x a one-token step instead of 1.53x.
 Over a bf16 cache with paired values (tlt/model/kv_cache.py) the attention also reads the keys and most of
 the values' weighted sum on the tiles as they lie in the cache, with no repacking per step; without AMX that
-weighted sum runs on AVX-512 bf16 dot products over the paired values (two slots an instruction). A row of a batch
-whose rows hold different numbers of cached tokens reads its own keys only (up to its last visible one), and
+weighted sum runs on AVX-512 bf16 dot products over the paired values (two slots an instruction). A row of a
+batch whose rows hold different numbers of cached tokens reads its own keys only (up to its last visible one), and
 the threads take tasks (a weight group, a row's kv head) as they come free rather than a fixed half each.
 In a layer's step the gate|up product hands back silu(gate) * up itself (`linear(..., silu=True)`: each task
 takes a gate group and its up group), the bits of `silu_mul` of the product without writing the product out

@@ -26,13 +26,13 @@ more bytes per step than the weights, so half of them is a faster step) and in f
 (`cache_dtype`): CPU batched matmuls in bf16 cost 2-5x their float32 twins at decode sizes, so the
 operator path runs attention in float32. Either cache holds the same values (bf16-rounded keys and
 values); the kernels' attention over a bf16 cache weighs most keys with bf16-rounded weights (AMX tiles or
-AVX-512 bf16 dot products over paired values), so the two agree within that rounding rather than bit for bit. Attention masks of a bf16
-cache stay float32 (`mask_dtype`).
+AVX-512 bf16 dot products over paired values), so the two agree within that rounding rather than bit for bit.
+Attention masks of a bf16 cache stay float32 (`mask_dtype`).
 A bf16 cache on the CPU keeps its values `paired`: slots 2i and 2i + 1 of a row share the 2 D elements of
 their two slot rows, dimension d of slot s at element 2 d + s % 2 (`pairs` is that view). It is the layout
 in which AMX tiles multiply weights by values over slots as the values lie (a B tile is 32 slots x 16
-dimensions), and in which one AVX-512 bf16 dot product adds two slots' products to 16 dimensions, so the kernels' attention reads the cache without repacking it each step; everything here
-that moves single slots (`write`, `compact`) goes through `pairs`, and `write` hands the operator path
+dimensions), and in which one AVX-512 bf16 dot product adds two slots' products to 16 dimensions, so the
+kernels' attention reads the cache without repacking it each step; everything here that moves single slots (`write`, `compact`) goes through `pairs`, and `write` hands the operator path
 its values in the usual layout. Keys keep the usual layout.
 The shortest and longest row lengths are kept as Python ints next to `lengths`, read once per change
 (not at all when every row advances alike), so writes and masks do not read them from the device.

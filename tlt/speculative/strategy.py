@@ -25,7 +25,7 @@ from tlt.errors import ConfigError
 KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
 # The deepest draft path a verification may hold: tlt's CPU attention keeps a tree node's result plain
 # decoding's bit for bit while a row sees at most 64 keys from its first masked one on (csrc/cpu_bf16.cpp
-# TILE_MARGIN), the node and its ancestors.
+# SPLIT_MARGIN), the node and its ancestors.
 MAX_DEPTH = 63
 
 

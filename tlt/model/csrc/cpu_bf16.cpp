@@ -36,13 +36,13 @@
 // A bf16 cache on the CPU keeps its values paired (two slots' dimensions interleaved, tlt/model/kv_cache.py),
 // the layout of an AMX B tile over slots. Each row's weighted sum runs on weights rounded to bf16 up to a split
 // fixed by the count of keys the row sees, then in float32 in slot order, so a tree node still gets plain
-// decoding's bits (tile_split): on AMX on the tiles, with the keys as A tiles as they lie in the cache (no
+// decoding's bits (bf16_split): on AMX on the tiles, with the keys as A tiles as they lie in the cache (no
 // packing); on AVX-512 as VDPBF16PS over the paired values, two slots an instruction (dot_values; the 2-core
 // EPYC, 32 rows x 400-800 cached tokens through twelve layers: 0.74x the attention's time at nine tokens a row
-// against float32 FMAs, 0.91-0.94x at one). On AMX (a 2-core Xeon), bench policy (16 heads, 8 kv heads of 48), 24 rows
-// x 1,200 cached tokens, a layer: 2.08 ms at one token a row and 3.53 at nine, against 2.60 and 5.65 with the keys
-// packed per call and the weighted sums in float32 FMAs (medians of 7, 12 caches so nothing stays in cache; 64 rows
-// x 300: 1.53 and 3.09 against 2.01 and 4.43).
+// against float32 FMAs, 0.91-0.94x at one). On AMX (a 2-core Xeon), bench policy (16 heads, 8 kv heads of 48),
+// 24 rows x 1,200 cached tokens, a layer: 2.08 ms at one token a row and 3.53 at nine, against 2.60 and 5.65 with
+// the keys packed per call and the weighted sums in float32 FMAs (medians of 7, 12 caches so nothing stays in
+// cache; 64 rows x 300: 1.53 and 3.09 against 2.01 and 4.43).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -857,8 +857,8 @@ TARGET void pair_values(const uint16_t* w, int64_t top, int64_t upto, const uint
 
 // pair_values over R rows (D = 16 C), BLOCK rows a pass and the rest in one pass of their own size. BLOCK keeps
 // BLOCK * C sums, C lines and the broadcast weight pair within the 32 registers: at C = 8 (head size 128) 3 rows
-// would need 33 and one sum went through the stack every slot pair (32 heads over 8 kv heads of 128, 8-16 rows x
-// 1,000 cached tokens: 2 rows a pass 0.95x the attention's time at one token a row, 0.99x at nine; same bits).
+// would take 33, one sum going through the stack every slot pair (32 heads over 8 kv heads of 128, 8-16 rows x
+// 1,000 cached tokens: 2 rows a pass take 0.95x the time of 3 at one token a row, 0.99x at nine; same bits).
 template <int C>
 TARGET void dot_values(const uint16_t* w, int64_t top, int64_t R, const int64_t* split, const uint16_t* v, int64_t vs,
                        int64_t D, float* acc) {
@@ -873,15 +873,15 @@ TARGET void dot_values(const uint16_t* w, int64_t top, int64_t R, const int64_t*
 
 // Keys a row may see past its first masked key with its weighted sum still plain decoding's bit for bit: a draft's
 // path (its depth + 1; tlt's strategies stay within it, tlt/speculative/strategy.py MAX_DEPTH).
-constexpr int64_t TILE_MARGIN = 64;
+constexpr int64_t SPLIT_MARGIN = 64;
 
 // Where row r's weighted sum leaves the bf16 products (tiles or VDPBF16PS) for weighted_values: a multiple of 32 at
-// least TILE_MARGIN short of its count n of visible keys, 0 below that or where a masked key lies before it. Counted
+// least SPLIT_MARGIN short of its count n of visible keys, 0 below that or where a masked key lies before it. Counted
 // over the row's visible keys only, a row of a tree's verification (its cache, then its ancestors among the draft's
 // slots) splits where plain decoding's same row (the same keys, next to each other) does, and both sum the same keys
 // in the same bf16 products, so they agree bit for bit: the masked keys of a draft lie among its last slots, past
-// the split as long as the row sees at most TILE_MARGIN keys from the first of them on.
-TARGET int64_t tile_split(const float* mask, int64_t visible) {
+// the split as long as the row sees at most SPLIT_MARGIN keys from the first of them on.
+TARGET int64_t bf16_split(const float* mask, int64_t visible) {
   int64_t n = visible, gap = visible;
   if (mask) {
     n = 0;
@@ -893,7 +893,7 @@ TARGET int64_t tile_split(const float* mask, int64_t visible) {
       if (hidden && gap == visible) gap = s + __builtin_ctz(hidden);
     }
   }
-  int64_t split = n >= TILE_MARGIN + 32 ? (n - TILE_MARGIN) / 32 * 32 : 0;
+  int64_t split = n >= SPLIT_MARGIN + 32 ? (n - SPLIT_MARGIN) / 32 * 32 : 0;
   return split <= gap ? split : 0;
 }
 
@@ -924,9 +924,9 @@ TARGET int64_t visible_end(const float* mask, int64_t S) {
 // its tiles, the query rows padded with zeros to qs, a multiple of 32, and the keys' pairs likewise; a query's
 // scores are the same whatever R.
 // With paired values (D a multiple of 16) each row's weighted sum runs on bf16-rounded weights up to split[r] (its
-// tile_split), on the tiles (tile_values) or on VDPBF16PS (dot_values), then in float32 in slot order; on the tiles
-// the keys are not packed either (tile_scores). `scores`
-// holds R * stride floats (stride: S rounded up to 32, plus 16), `packed` S * qs bf16 rounded up to 32 keys.
+// bf16_split), on the tiles (tile_values) or on VDPBF16PS (dot_values), then in float32 in slot order; on the tiles
+// the keys are not packed either (tile_scores). `scores` holds R * stride floats (stride: S rounded up to 32, plus
+// 16), `packed` S * qs bf16 rounded up to 32 keys.
 template <int C, bool PAIRED, typename KV>
 TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
                         const float* const* masks, const int64_t* unmasked, const int64_t* visible,
@@ -935,7 +935,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
   int64_t S = *std::max_element(visible, visible + R), stride = (S + GROUP - 1) / GROUP * GROUP + 16;
   int64_t pairs = qs / 2;
   __mmask16 last = tail_mask(D - 16 * (C - 1));
-  bool direct = PAIRED && tiles && D % 16 == 0, bf16_sums = PAIRED && D % 16 == 0;
+  bool bf16_sums = PAIRED && D % 16 == 0, direct = bf16_sums && tiles;
   if (direct) {
     tile_scores(q, qs, R, reinterpret_cast<const uint16_t*>(k), ks, S, D, scores, stride,
                 reinterpret_cast<const uint16_t*>(v), vs);
@@ -1326,13 +1326,13 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   int64_t R = group * T;
   bool tiles = amx();
   int64_t Dq = tiles ? (D + 31) / 32 * 32 : D;
-  // Where each query row's weighted sum leaves the bf16 products (tile_split): once a row and token, not a kv head.
+  // Where each query row's weighted sum leaves the bf16 products (bf16_split): once a row and token, not a kv head.
   bool bf16_sums = paired && D % 16 == 0;
   // Query rows past a row's counts are padding: no task reads their split or limit.
   auto real = [cp, T](int64_t i) { return !cp || i % T < cp[i / T]; };
   std::vector<int64_t> splits(bf16_sums ? B * T : 0);
   for (int64_t i = 0; i < (bf16_sums ? B * T : 0); ++i)
-    if (real(i)) splits[i] = tile_split(mp ? mp + i / T * mb + i % T * mt : nullptr, mp ? S : S - T + i % T + 1);
+    if (real(i)) splits[i] = bf16_split(mp ? mp + i / T * mb + i % T * mt : nullptr, mp ? S : S - T + i % T + 1);
   // Under a mask, the keys a query row may see end at its last unmasked one: a shorter row of the batch (a cache's
   // rows have different lengths) reads and weighs only its own slots, not the longest row's. The keys past it
   // would add exact zeros (their weights), so the results are the same bit for bit, at less work.
