@@ -63,11 +63,12 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
         assert "amx_tile_peak_gflop_s" not in record
 
 
-def test_grid_times_each_batch_with_t_tokens_against_one(hf_folder, tmp_path, small_machine):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: tlt's kernels, their layer step one call at a time
+def test_grid_times_each_batch_with_t_tokens_against_one(hf_folder, tmp_path, small_machine, dtype):
     _, folder = hf_folder("qwen3", seed=1)
     grid = roofline.grid_shapes("3,1:4")
     assert grid == ((1, 1), (1, 4), (3, 1), (3, 4))
-    assert roofline.run(args_for(folder, tmp_path, no_hf=True, grid=grid)) == 0
+    assert roofline.run(args_for(folder, tmp_path, no_hf=True, grid=grid, dtype=dtype)) == 0
     record = json.loads((tmp_path / "roofline.json").read_text())
     ms = {(r["batch"], r["new_tokens"]): r["ms"] for r in record["rows"]}
     assert set(ms) == set(roofline.base_shapes()) | set(grid)  # (1, 1) and (1, 4) once each
@@ -75,6 +76,11 @@ def test_grid_times_each_batch_with_t_tokens_against_one(hf_folder, tmp_path, sm
     assert record["summary"]["break_even_acceptance"] == {
         "b1_t4": pytest.approx(ms[(1, 4)] / ms[(1, 1)]), "b3_t4": pytest.approx(ms[(3, 4)] / ms[(3, 1)])}
     assert record["config"]["grid"] == [list(shape) for shape in grid]
+    shares = record["summary"]["shares"]  # every grid shape split into products and attention
+    assert set(shares) == {"b1_t1", "b1_t4", "b3_t1", "b3_t4"}
+    for split in shares.values():
+        assert split["ms"] > 0 and split["products"] > 0 and split["attention"] > 0
+        assert split["products"] + split["attention"] < 1
 
 
 @pytest.mark.parametrize("text", ["4,8", "4:x", ":3", "0:3", "4,8:3:5", "4:-1"])

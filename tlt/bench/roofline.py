@@ -13,7 +13,8 @@ over T new tokens costs about one over a single token. The bench measures, in on
     product's arithmetic takes as long as streaming its weights (`tlt_kernel_balance_rows`);
   - the model, tlt and transformers on the same weights and dtype: one cached forward of T new tokens
     per row after P cached ones, at batch 1 for T = 1, 5, 9, 17, 33, and at batch 4, 16, 64 for T = 1;
-    and the shares of tlt's one-token step spent in products and in attention (timed around each call).
+    and the shares of tlt's one-token step spent in products and in attention (timed around each call);
+    with `--grid`, the same split of each grid step (`summary.shares`).
 Repeats alternate the systems and measurements (rotated each repeat) so drift hits all alike; each
 timed forward follows an untimed one of the same system and shape; every figure is a median over repeats. `--model random-large` is a random Qwen3-shaped model of at least
 128 MB in the chosen dtype and 12 layers, for the memory-bound regime without a trained checkpoint.
@@ -261,10 +262,13 @@ def base_shapes() -> list[tuple[int, int]]:
     return [(1, t) for t in NEW_TOKENS] + [(b, 1) for b in BATCHES]
 
 
-def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
-    """Shares of a batch-1 one-token forward's wall time spent in products (every `PackedLinear` call,
-    whichever kernel runs it) and in attention, timed around each call. On tlt's kernels each layer's
-    step runs its kernels one at a time (`cpu_kernels.layer_step_ops`, the same bits) so they can be timed."""
+def time_shares(model, prompt_len: int, steps: int = 10,
+                shapes: tuple[tuple[int, int], ...] = ((1, 1),)) -> dict[tuple[int, int], dict[str, float]]:
+    """For each (batch, new tokens a row) of `shapes`: the forward's wall time in ms (`ms`, mean of `steps`) and
+    the shares of it spent in products (every `PackedLinear` call, whichever kernel runs it) and in attention,
+    timed around each call. On tlt's kernels each layer's step runs its kernels one at a time
+    (`cpu_kernels.layer_step_ops`, the same bits) so they can be timed; the timers make the step a little slower
+    than the fused one. Each batch is prefilled once."""
     import torch
 
     from tlt.model import cpu_kernels, fused
@@ -289,25 +293,31 @@ def time_shares(model, prompt_len: int, steps: int = 10) -> dict[str, float]:
         originals.append((kernels, "layer_step", kernels.layer_step))
         ops = SimpleNamespace(linear=timed(kernels.linear, "products"), attention=timed(kernels.attention, "attention"),
                               rms_norm=kernels.rms_norm, rope_write=kernels.rope_write, silu_mul=kernels.silu_mul)
-    system = TltSystem("tlt", model, prompt_len, model.config.vocab_size)
+    vocab = model.config.vocab_size
+    system = TltSystem("tlt", model, prompt_len, vocab)
+    out = {}
     try:
         for owner, name, part in patches:
             setattr(owner, name, timed(getattr(owner, name), part))
         if kernels is not None:
             kernels.layer_step = lambda *args: cpu_kernels.layer_step_ops(ops, *args)
         with torch.inference_mode():
-            system.prefill(1, torch.randint(model.config.vocab_size, (1, prompt_len)))
-            run = system.forward(1, torch.randint(model.config.vocab_size, (1, 1)))
-            run()
-            spent.update(products=0.0, attention=0.0)
-            start = time.perf_counter()
-            for _ in range(steps):
-                run()
-            total = time.perf_counter() - start
+            for b in sorted({b for b, _ in shapes}):
+                system.prefill(b, torch.randint(vocab, (b, prompt_len)))
+                for t in sorted({t for batch, t in shapes if batch == b}):
+                    run = system.forward(b, torch.randint(vocab, (b, t)))
+                    run()
+                    spent.update(products=0.0, attention=0.0)
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        run()
+                    total = time.perf_counter() - start
+                    out[(b, t)] = {"ms": 1e3 * total / steps, **{part: s / total for part, s in spent.items()}}
+                del system.caches[b]
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
-    return {part: seconds / total for part, seconds in spent.items()}
+    return out
 
 
 def summarize(rows: list[dict], limit_ms: float, limits_ms: list[float]) -> dict[str, Any]:
@@ -402,12 +412,14 @@ def run(args: argparse.Namespace) -> int:
         limits["bandwidth_gb_s"] = statistics.median(bandwidth)
         limits["bandwidth_samples_gb_s"] = bandwidth
         limit_ms = step_limit_ms(weight_bytes, limits["bandwidth_gb_s"])
-        shares = time_shares(model, args.prompt_len)
+        shares = time_shares(model, args.prompt_len, shapes=((1, 1), *args.grid))
     for r in rows:
         r.update(model=args.model, dtype=args.dtype, weight_bytes=weight_bytes)
     summary = summarize(rows, limit_ms, [step_limit_ms(weight_bytes, gb_s) for gb_s in bandwidth])
-    summary["product_share_one_token"] = shares["products"]
-    summary["attention_share_one_token"] = shares["attention"]
+    summary["product_share_one_token"] = shares[(1, 1)]["products"]
+    summary["attention_share_one_token"] = shares[(1, 1)]["attention"]
+    if args.grid:  # where each grid step's time goes
+        summary["shares"] = {f"b{b}_t{t}": shares[(b, t)] for b, t in args.grid}
     print(" ".join(f"{k} {v:.1f}" for k, v in limits.items() if not isinstance(v, list)))
     print(f"bandwidth limit of one step: {limit_ms:.2f} ms (weight bytes / the median read bandwidth between the forwards); "
           f"cached tokens per row: {args.prompt_len}; medians of {args.repeats} alternating repeats")
@@ -415,8 +427,14 @@ def run(args: argparse.Namespace) -> int:
     if "break_even_acceptance" in summary:
         print("a step verifying T tokens a row costs this many one-token steps of its batch (speculation pays above it): "
               + ", ".join(f"{k} {v:.2f}" for k, v in summary["break_even_acceptance"].items()))
+    if "shares" in summary:
+        print("where a grid step goes (kernels timed one by one): " + ", ".join(
+            f"{k} {v['ms']:.1f} ms, {100 * v['products']:.0f}% products, {100 * v['attention']:.0f}% attention"
+            for k, v in summary["shares"].items()))
     print(f"tlt one token: {summary['one_token_vs_limit']:.2f}x the bandwidth limit "
-          f"({100 * summary['bandwidth_fraction']:.0f}% of the read bandwidth), {100 * shares['products']:.0f}% of it in products, {100 * shares['attention']:.0f}% in attention; "
+          f"({100 * summary['bandwidth_fraction']:.0f}% of the read bandwidth), "
+          f"{100 * summary['product_share_one_token']:.0f}% of it in products, "
+          f"{100 * summary['attention_share_one_token']:.0f}% in attention; "
           + ", ".join(f"T={t}: {summary[f't{t}_vs_t1']:.2f}x T=1" for t in NEW_TOKENS[1:])
           + " (paired within repeats: " + ", ".join(f"T={t} {summary[f'paired_t{t}_vs_t1']:.2f}x" for t in NEW_TOKENS[1:])
           + f", one token {summary['paired_one_token_vs_limit']:.2f}x the limit)"
