@@ -202,12 +202,20 @@ def test_draft_state_trim_keeps_the_newest_pairs_of_rows_past_twice_the_window(d
                        torch.zeros(3, dtype=torch.long))
     state.trim(4)
     assert cache.lengths.tolist() == [4, 8, 4]  # past 2 x 4: the newest 4 kept; exactly 8: left as it is
-    keys, values = cache.keys[0], _values(cache)
+    keys, values = _keys(cache), _values(cache)
     for row, (length, kept) in enumerate(((11, 4), (8, 8), (9, 4))):
         assert torch.equal(keys[row, :, :kept], k[row, :, length - kept : length])
         assert torch.equal(values[row, :, :kept], v[row, :, length - kept : length])
     state.trim(4)  # nothing past twice the window now
     assert cache.lengths.tolist() == [4, 8, 4]
+
+
+def _keys(cache):
+    """Layer 0's cached keys in the usual [B, H_kv, C, D] layout, whatever the cache's."""
+    from tlt.model import kv_cache
+
+    keys = cache.keys[0]
+    return kv_cache.natural_keys(keys) if cache.packed_keys else keys
 
 
 def _values(cache):

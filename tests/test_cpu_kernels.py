@@ -248,14 +248,14 @@ def test_attention_matches_sdpa_and_queries_do_not_depend_on_each_other(B, H, Hk
 @needs_kernels
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("D", [16, 40])
-@pytest.mark.parametrize("pair", [False, True])
-def test_rope_write_matches_the_reference_ops(norm, D, pair):
+@pytest.mark.parametrize("pair,pack", [(False, False), (True, False), (True, True)])
+def test_rope_write_matches_the_reference_ops(norm, D, pair, pack):
     """q/k norm + RoPE + cache write in one kernel against the operators the reference layer runs
     (bf16 norm, bf16 rotation, `KVCache.write`), on rows of unequal length, into a float32 cache and a bf16
-    one with paired values: q and the written keys agree within one bf16 rounding, values are copied
-    exactly, and no other slot of the cache changes."""
+    one with paired values, its keys in the usual or the packed layout: q and the written keys agree within one
+    bf16 rounding, values are copied exactly, and no other slot of the cache changes."""
     from tlt.model.fused import _qk_normed
-    from tlt.model.kv_cache import KVCache, natural
+    from tlt.model.kv_cache import KVCache, natural, natural_keys
     from tlt.model.rope import apply_rope, rope_tables
 
     B, T, H, Hkv = 2, 3, 4, 2
@@ -267,16 +267,18 @@ def test_rope_write_matches_the_reference_ops(norm, D, pair):
                            torch.bfloat16)
     caches = []
     for _ in range(2):
-        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16 if pair else torch.float32, paired=pair)
+        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16 if pair else torch.float32, paired=pair, packed_keys=pack)
         cache.reserve(8)
         cache.store.normal_(generator=torch.Generator().manual_seed(12))
         cache.lengths = lengths.clone()
         caches.append(cache)
     keys, values, S = caches[0].buffers(0, T)
     q = kernels.rope_write(qkv, H, weight if norm else None, 1e-6, cos.reshape(B, T, D), sin.reshape(B, T, D), keys,
-                           values, caches[0].lengths, pair)
+                           values, caches[0].lengths, pair, pack)
     if pair:
         values = natural(values)
+    if pack:
+        keys = natural_keys(keys)
     qk = qkv[:, :, : H + Hkv]
     if norm:
         fused = type("Fused", (), {"qkv": type("P", (), {"kernels": None})(), "qk_eps": 1e-6,
@@ -292,7 +294,8 @@ def test_rope_write_matches_the_reference_ops(norm, D, pair):
     new = torch.zeros(B, 1, keys.shape[2], 1, dtype=torch.bool)
     for b, n in enumerate(lengths.tolist()):
         new[b, 0, n : n + T] = True
-    assert torch.equal(keys.masked_select(~new), caches[1].keys[0].masked_select(~new))  # the rest untouched
+    untouched = natural_keys(caches[1].keys[0]) if pack else caches[1].keys[0]
+    assert torch.equal(keys.masked_select(~new), untouched.masked_select(~new))  # the rest untouched
     untouched = natural(caches[1].values[0]) if pair else caches[1].values[0]
     assert torch.equal(values.masked_select(~new), untouched.masked_select(~new))
 
@@ -321,6 +324,19 @@ def paired(values: torch.Tensor) -> torch.Tensor:
     even = S + S % 2
     padded = F.pad(values, (0, 0, 0, even - S))
     return padded.view(B, H, even // 2, 2, D).transpose(-1, -2).contiguous().view(B, H, even, D)[:, :, :S]
+
+
+def packed_keys(keys: torch.Tensor) -> torch.Tensor:
+    """bf16 keys [B, H, S, D] as a cache keeps them `packed_keys`, in a buffer of whole groups of 32 slots (a view of
+    S slots); the slots past S hold large finite garbage, which the attention must never weigh."""
+    from tlt.model.kv_cache import KEY_GROUP, key_slots
+
+    B, H, S, D = keys.shape
+    whole = -(-S // KEY_GROUP) * KEY_GROUP
+    padded = F.pad(keys, (0, 0, 0, whole - S), value=1e4)
+    out = torch.empty(B, H, whole, D, dtype=torch.bfloat16)
+    key_slots(out)[:] = padded.view(B, H, whole // KEY_GROUP, KEY_GROUP, D // 2, 2)
+    return out[:, :, :S]
 
 
 def tree_visibility(parents: list[int], n: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -400,16 +416,56 @@ def test_attention_over_paired_values_gives_each_query_its_own_bits_at_any_query
 
 
 @needs_kernels
+@pytest.mark.parametrize("D", [16, 40, 48, 128])
+@pytest.mark.parametrize("S", [9, 65, 200])
+def test_attention_over_packed_keys_equals_the_usual_layout(D, S):
+    """Keys packed as a cache keeps them without AMX (32 slots a weight group, read in place; garbage past S): on
+    AVX-512 the same bits as the usual layout (the same products as the keys packed per call), over values in the
+    usual and the paired layout, with no mask, a mask and rows of different lengths, one to 17 queries a row; on
+    AMX tiles within a bf16 rounding of it (the scores then take the AVX-512 block). A buffer that does not hold the
+    last group whole is refused."""
+    gen = torch.Generator().manual_seed(7 * D + S)
+    B, H, Hkv = 3, 4, 2
+    for T in (1, 9, 17):
+        if T > S:
+            continue
+        keys = torch.randn(B, Hkv, S, D, generator=gen).bfloat16()
+        values = torch.randn(B, Hkv, S, D, generator=gen).bfloat16()
+        q = torch.randn(B, H, T, D, generator=gen).bfloat16()
+        mask = torch.where(torch.rand(B, 1, T, S, generator=gen) < 0.9, 0.0, float("-inf"))
+        mask[..., 0] = 0.0
+        ragged = mask.clone()
+        ragged[1, ..., S // 2 :] = float("-inf")  # a shorter row
+        for pair in (False, True):
+            lay = paired if pair else (lambda v: v)
+            for m in (None, mask, ragged):
+                for tiles in units():
+                    with on_unit(tiles):
+                        usual = kernels.attention(q, keys, lay(values), m, pair)
+                        packed_out = kernels.attention(q, packed_keys(keys), lay(values), m, pair, None, True)
+                    if tiles:
+                        assert (packed_out.float() - usual.float()).abs().max() <= 0.02
+                    else:
+                        assert torch.equal(packed_out, usual), (T, pair, m is None)
+    short = torch.zeros(1, Hkv, S, D, dtype=torch.bfloat16)  # S slots, not whole groups of 32
+    if S % 32:
+        with pytest.raises(RuntimeError, match="whole groups"):
+            kernels.attention(q[:1], short, values[:1], None, False, None, True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("n", [15, 16, 31, 33, 64, 124, 156, 200])
-@pytest.mark.parametrize("group,half,pair", [(2, True, False), (8, True, False), (8, False, False), (2, True, True),
-                                             (8, True, True)])
+@pytest.mark.parametrize("group,half,pair,pack", [(2, True, False, False), (8, True, False, False),
+                                                  (8, False, False, False), (2, True, True, False),
+                                                  (8, True, True, False), (2, True, True, True), (8, True, True, True)])
 @pytest.mark.parametrize("D", [48, 64, 128])
-def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, group, half, pair, D):
+def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, group, half, pair, pack, D):
     """A whole tree's verification (nine nodes of several branches, several query heads per kv head, so
     the values take more than one pass) against each node decoded alone over its cache and ancestors
     packed one after another, over values in the usual and in the paired layout (paired: bf16 sums, on the
     tiles or VDPBF16PS, up to a split that must fall where plain decoding's does; head sizes whose sums take
-    passes of 8, 6 and 2 rows), on every unit; one cached key every node sees has a weight of exactly zero
+    passes of 8, 6 and 2 rows) and keys in the usual and the packed layout, on every unit; one cached key every
+    node sees has a weight of exactly zero
     (its additive mask -500), so the weights' sum meets a zero among the weights it adds. A sum that depended on
     where the keys sit would differ in the last float32 bit, which the bf16 output shows only now and then:
     hence many heads, wide heads and several draws."""
@@ -427,11 +483,12 @@ def test_every_node_of_a_tree_verification_equals_plain_decoding_bit_for_bit(n, 
                 values = torch.randn(1, Hkv, n + T, D, generator=gen).to(dtype)
                 q = torch.randn(1, Hkv * group, T, D, generator=gen).bfloat16()
                 lay = paired if pair else (lambda v: v)
-                tree = kernels.attention(q, keys, lay(values), mask, pair)
+                key_lay = packed_keys if pack else (lambda k: k)
+                tree = kernels.attention(q, key_lay(keys), lay(values), mask, pair, None, pack)
                 for j, slots in enumerate(seen):
-                    plain = kernels.attention(q[:, :, j : j + 1].contiguous(), keys[:, :, slots].contiguous(),
+                    plain = kernels.attention(q[:, :, j : j + 1].contiguous(), key_lay(keys[:, :, slots].contiguous()),
                                               lay(values[:, :, slots].contiguous()),
-                                              mask[:, :, j : j + 1, slots].contiguous(), pair)
+                                              mask[:, :, j : j + 1, slots].contiguous(), pair, None, pack)
                     assert torch.equal(tree[:, j], plain[:, 0]), f"draw {draw}, node {j}, tiles {tiles}"
 
 
@@ -461,9 +518,9 @@ def test_a_deep_draft_path_equals_plain_decoding_bit_for_bit(n, D, seed=7):
 
 
 @needs_kernels
-@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("pair,pack", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("T", [1, 9])
-def test_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(T, pair):
+def test_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(T, pair, pack):
     """A batch whose rows hold different numbers of cached keys (the longest sets S; a shorter row's slots past
     its own are masked and hold garbage): every row's tree verification equals the same row alone over its own
     slots, bit for bit, on tiles and on AVX-512. The kernel stops each row at its last visible key; stopping
@@ -479,6 +536,7 @@ def test_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(T, pair):
         values[b, :, n + T :] = 1e4  # garbage a leak would show
     q = torch.randn(len(lengths), Hkv * group, T, D, generator=gen).bfloat16()
     lay = paired if pair else (lambda v: v)
+    key_lay = packed_keys if pack else (lambda k: k)
     for tiles in units():
         with on_unit(tiles):
             mask = torch.full((len(lengths), 1, T, S), float("-inf"))
@@ -487,11 +545,11 @@ def test_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(T, pair):
                 _, row_mask = tree_visibility(parents, n)
                 mask[b, :, :, : n + T] = row_mask[0]
                 k, v = keys[b : b + 1, :, : n + T].contiguous(), values[b : b + 1, :, : n + T].contiguous()
-                alone.append(kernels.attention(q[b : b + 1], k, lay(v), row_mask, pair))
+                alone.append(kernels.attention(q[b : b + 1], key_lay(k), lay(v), row_mask, pair, None, pack))
                 ref = F.scaled_dot_product_attention(q[b : b + 1].float(), k.float().repeat_interleave(group, 1),
                                                      v.float().repeat_interleave(group, 1), attn_mask=row_mask)
                 assert (alone[-1].float() - ref.transpose(1, 2).reshape(1, T, -1)).abs().max() <= 0.01
-            batch = kernels.attention(q, keys, lay(values), mask, pair)
+            batch = kernels.attention(q, key_lay(keys), lay(values), mask, pair, None, pack)
             for b in range(len(lengths)):
                 assert torch.equal(batch[b], alone[b][0]), f"row {b}, tiles {tiles}"
 
@@ -572,12 +630,12 @@ def test_linear_with_silu_equals_silu_mul_of_the_gate_up_product_bit_for_bit(til
 @needs_kernels
 @pytest.mark.parametrize("input_norm,bits", [(True, 16), (False, 16), (False, 4)])
 @pytest.mark.parametrize("masked", [True, False])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "paired"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "paired", "packed"])
 def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, cache_dtype):
     """The whole layer in one call gives the bits of the kernels called one at a time (norm, q|k|v, q/k
     norm with RoPE and the cache write, attention, o + residual, norm, gate|up, silu * up, down +
     residual: `layer_step_ops`), on rows of unequal length, and writes the same cache; also on 4-bit
-    weights (a drafter's layer) and over paired values."""
+    weights (a drafter's layer), over paired values and over paired values with packed keys."""
     from tlt.model.kv_cache import KVCache
     from tlt.model.rope import rope_tables
 
@@ -596,9 +654,9 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, ca
     cos, sin = rope_tables(lengths[:, None] + torch.arange(T), 1.0 / 10000 ** (torch.arange(0, D, 2) / D), 1.0,
                            torch.bfloat16)
     caches = []
-    pair = cache_dtype == "paired"
+    pair, pack = cache_dtype in ("paired", "packed"), cache_dtype == "packed"
     for _ in range(2):
-        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16 if pair else cache_dtype, paired=pair)
+        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16 if pair else cache_dtype, paired=pair, packed_keys=pack)
         cache.reserve(8)
         cache.store.normal_(generator=torch.Generator().manual_seed(48))
         cache.lengths = lengths.clone()
@@ -611,21 +669,21 @@ def test_layer_step_equals_its_operators_one_by_one(input_norm, bits, masked, ca
     eps = 1e-6 if input_norm else -1.0
     keys, values, S = caches[0].buffers(0, T)
     out = kernels.layer_step(x, eps, packs, sizes, biases, scales, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
-                             caches[0].lengths, S, mask, pair)
+                             caches[0].lengths, S, mask, pair, None, pack)
 
     keys1, values1, _ = caches[1].buffers(0, T)
     expected = cpu_kernels.layer_step_ops(kernels, x, eps, packs, sizes, biases, scales, H, qk_norm, 1e-5, 1e-6, cos,
-                                          sin, keys1, values1, caches[1].lengths, S, mask, pair)
+                                          sin, keys1, values1, caches[1].lengths, S, mask, pair, None, pack)
     assert torch.equal(out, expected)
     assert torch.equal(caches[0].store, caches[1].store)
 
 
 @needs_kernels
-@pytest.mark.parametrize("pair", [False, True])
-def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(pair):
+@pytest.mark.parametrize("pair,pack", [(False, False), (True, False), (True, True)])
+def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(pair, pack):
     """Rows of 3, 0, 5 and 1 real tokens (of T = 5, right-padded) passed packed with their counts: every real
     token's output and cache slots are the padded batch's bit for bit; the padding's slots hold zeros' keys."""
-    from tlt.model.kv_cache import KVCache
+    from tlt.model.kv_cache import KVCache, natural_keys
     from tlt.model.rope import rope_tables
 
     B, T, hidden, H, Hkv, D, inter = 4, 5, 64, 4, 2, 16, 96
@@ -643,7 +701,7 @@ def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(
     mask = torch.zeros(B, 1, T, C).masked_fill_(~keys_seen[:, None], float("-inf"))
 
     def filled_cache():
-        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16, paired=pair)
+        cache = KVCache(1, B, Hkv, D, dtype=torch.bfloat16, paired=pair, packed_keys=pack)
         cache.reserve(C)
         cache.store.normal_(generator=torch.Generator().manual_seed(57))
         cache.lengths = lengths.clone()
@@ -656,26 +714,27 @@ def test_layer_step_on_packed_tokens_equals_the_padded_batch_on_its_real_tokens(
         args = (1e-6, packs, sizes, [None] * 4, [None] * 4, H, qk_norm, 1e-5, 1e-6, cos, sin, keys, values,
                 cache.lengths, S, mask[..., :S].contiguous(), pair)
         if packed_tokens:
-            outs.append(kernels.layer_step(x[real].contiguous(), *args, counts=counts))
+            outs.append(kernels.layer_step(x[real].contiguous(), *args, counts=counts, packed_keys=pack))
         else:
-            outs.append(kernels.layer_step(x, *args)[real])
+            outs.append(kernels.layer_step(x, *args, packed_keys=pack)[real])
         caches.append(cache)
     assert outs[1].shape == (int(counts.sum()), hidden)
     assert torch.equal(outs[0], outs[1])
     cache = filled_cache()  # the kernels one at a time, packed too
     keys, values, S = cache.buffers(0, T)
     ops = cpu_kernels.layer_step_ops(kernels, x[real].contiguous(), *args[:11], keys, values, cache.lengths, S,
-                                     *args[15:], counts)
+                                     *args[15:], counts, packed_keys=pack)
     assert torch.equal(ops, outs[1]) and torch.equal(cache.store, caches[1].store)
+    lay = natural_keys if pack else (lambda k: k)
     for b in range(B):
         slots = slice(0, int(lengths[b] + counts[b]))
-        assert torch.equal(caches[0].keys[0][b, :, slots], caches[1].keys[0][b, :, slots])
+        assert torch.equal(lay(caches[0].keys[0])[b, :, slots], lay(caches[1].keys[0])[b, :, slots])
         if not pair:  # (paired values interleave two slots' dimensions)
             assert torch.equal(caches[0].values[0][b, :, slots], caches[1].values[0][b, :, slots])
             padding = slice(int(lengths[b] + counts[b]), int(lengths[b]) + T)
             assert torch.equal(caches[1].values[0][b, :, padding], torch.zeros_like(caches[1].values[0][b, :, padding]))
     with pytest.raises(RuntimeError, match="counts"):
-        kernels.layer_step(x[real].contiguous(), *args, counts=torch.tensor([3, 0, 5, 2]))
+        kernels.layer_step(x[real].contiguous(), *args, counts=torch.tensor([3, 0, 5, 2]), packed_keys=pack)
 
 
 @needs_kernels

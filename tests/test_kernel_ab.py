@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="tlt's bf16 CPU kernels 
 class OffByOneBit:
     """The kernels, with the last bit of every attention output flipped."""
 
-    def attention(self, *args):
-        out = kernels.attention(*args)
+    def attention(self, *args, **layout):
+        out = kernels.attention(*args, **layout)
         return (out.view(torch.int16) ^ 1).view(torch.bfloat16)
 
     def linear(self, *args):
@@ -43,9 +43,9 @@ class Recording:
     def __init__(self):
         self.shapes = set()
 
-    def attention(self, q, k, *args):
+    def attention(self, q, k, *args, **layout):
         self.shapes.add((q.shape[1], k.shape[1], q.shape[3]))
-        return kernels.attention(q, k, *args)
+        return kernels.attention(q, k, *args, **layout)
 
     def linear(self, *args):
         return kernels.linear(*args)
@@ -60,6 +60,33 @@ def test_other_heads_are_checked_and_timed(script, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["same_bits"] and result["attention"]["2,130,3"]["old_ms"] > 0
     assert recording.shapes == {(32, 8, 128)}
+
+
+class Layouts:
+    """The kernels, noting the keys' layout of every attention call (packed or not)."""
+
+    def __init__(self):
+        self.packed = set()
+
+    def attention(self, *args, packed_keys=False):
+        self.packed.add(packed_keys)
+        return kernels.attention(*args, packed_keys=packed_keys)
+
+    def linear(self, *args):
+        return kernels.linear(*args)
+
+
+def test_old_keys_natural_hands_old_the_usual_layout(script, capsys):
+    """--old-keys natural: OLD reads the keys in the usual layout, NEW in the engine cache's (packed where the
+    kernels run without AMX), and both give the same bits."""
+    from tlt.model.kv_cache import packs_keys
+
+    old, new = Layouts(), Layouts()
+    rc = script("kernel_ab").main(["old.cpp", "new.cpp", "--attention", "2,70,3", "--linear", "--repeats", "1",
+                                   "--threads", "1", "--old-keys", "natural"], modules=[old, new])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["same_bits"]
+    assert old.packed == {False} and new.packed == {packs_keys(True, 64)}
 
 
 def test_a_kernel_that_changes_a_bit_is_named(script, capsys):

@@ -5,7 +5,7 @@ import torch
 
 import tlt
 from tlt.model import KVCache
-from tlt.model.kv_cache import natural, pairs
+from tlt.model.kv_cache import natural, natural_keys, pairs
 
 ROPE_CASES = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -212,9 +212,80 @@ def test_fork_select_concat_equal_separate_prefills(tiny_model):
 
 
 def logical_store(cache: KVCache) -> torch.Tensor:
-    """The cache's store with its values in the usual layout (paired values unpaired)."""
+    """The cache's store with its keys and values in the usual layout (packed keys unpacked, paired values
+    unpaired)."""
     L = cache.num_layers
-    return torch.cat([cache.store[:L], natural(cache.store[L:])]) if cache.paired else cache.store
+    keys, values = cache.store[:L], cache.store[L:]
+    return torch.cat([natural_keys(keys) if cache.packed_keys else keys, natural(values) if cache.paired else values])
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_cache_of_packed_keys_holds_what_a_cache_of_the_usual_layout_holds(kernel, monkeypatch):
+    """A bf16 cache with packed keys (and paired values) against one with both in the usual layout, through what
+    a rollout does to a cache: writes to rows of equal and unequal lengths (what `write` returns too), growth past
+    a block, tree compaction (the kernel, and the indexing path with the kernel off), rows dropped in place and
+    reordered, a fork, a join with a fresh cache, a rollback and a shrink. After each, every row's live slots hold
+    the same keys and values."""
+    if not kernel:
+        monkeypatch.setattr(KVCache, "kernels", lambda self: None)
+    L, H, D = 2, 2, 6
+    gen = torch.Generator().manual_seed(9)
+    make = lambda B, packed: KVCache(L, B, H, D, dtype=torch.bfloat16, block=32, paired=packed, packed_keys=packed)
+    caches = [make(4, False), make(4, True)]
+    assert [c.packed_keys for c in caches] == [False, True]
+
+    def same():
+        a, b = caches
+        assert torch.equal(a.lengths, b.lengths)
+        for row, n in enumerate(a.lengths.tolist()):
+            assert torch.equal(logical_store(a)[:, row, :, :n], logical_store(b)[:, row, :, :n])
+
+    def write(T):
+        for layer in range(L):
+            k = torch.randn(caches[0].batch_size, H, T, D, generator=gen).bfloat16()
+            v = torch.randn(caches[0].batch_size, H, T, D, generator=gen).bfloat16()
+            a, b = (c.write(layer, k, v) for c in caches)
+            for row, n in enumerate((caches[0].lengths + T).tolist()):
+                assert torch.equal(a[0][row, :, :n], b[0][row, :, :n]) and torch.equal(a[1][row, :, :n], b[1][row, :, :n])
+        for c in caches:
+            c.advance(T)
+        same()
+
+    write(5)  # equal lengths
+    for c in caches:
+        c.compact(torch.tensor([2, 2, 2, 2]), torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0]]), torch.tensor([2, 2, 2, 1]))
+    same()
+    write(9)
+    for c in caches:  # rows of unequal lengths from here
+        c.compact(torch.tensor([6, 5, 7, 4]), torch.tensor([[1, 3, 4], [0, 2, 5], [2, 3, 8], [0, 1, 2]]),
+                  torch.tensor([3, 2, 1, 0]))
+    same()
+    for _ in range(6):
+        write(7)  # past the first block: growth
+    assert caches[1].capacity > 32 and caches[1].capacity % 32 == 0
+    for c in caches:
+        c.select_rows([0, 2, 3])  # a finished row: the rows behind move down in place
+    same()
+    for c in caches:
+        c.fork([2, 1, 1])
+    same()
+    fresh = [make(2, p) for p in (False, True)]  # freshly prefilled rows: 40 and 17 tokens
+    for layer in range(L):
+        k, v = (torch.randn(2, H, 40, D, generator=gen).bfloat16() for _ in range(2))
+        for f in fresh:
+            f.write(layer, k, v)
+    for f in fresh:
+        f.advance(40)
+        f.rollback(torch.tensor([40, 17]))
+    caches = [KVCache.concat([c, f]) for c, f in zip(caches, fresh)]
+    same()
+    write(3)
+    for c in caches:
+        c.rollback(c.lengths - torch.tensor([1, 0, 2, 3, 4, 5]))
+        c.shrink()
+    same()
+    with pytest.raises(ValueError, match="layouts"):
+        KVCache.concat([make(1, False), make(1, True)])
 
 
 @pytest.mark.parametrize("paired", [False, True])

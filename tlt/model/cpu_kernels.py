@@ -15,7 +15,8 @@ weights whose K is a multiple of 32, and the attention's scores, run on its tile
 tiles ~1950, so a 9-token verification of the bench policy costs 1.04x a one-token step instead of 1.53x.
 Over a bf16 cache with paired values (tlt/model/kv_cache.py) the attention also reads the keys and most of
 the values' weighted sum on the tiles as they lie in the cache, with no repacking per step; without AMX that
-weighted sum runs on AVX-512 bf16 dot products over the paired values (two slots an instruction). A row of a
+weighted sum runs on AVX-512 bf16 dot products over the paired values (two slots an instruction), and the cache
+keeps its keys packed as the products' weight groups, which the scores read in place. A row of a
 batch whose rows hold different numbers of cached tokens reads its own keys only (up to its last visible one), and
 the threads take tasks (a weight group, a row's kv head) as they come free rather than a fixed half each.
 In a layer's step the gate|up product hands back silu(gate) * up itself (`linear(..., silu=True)`: each task
@@ -167,7 +168,7 @@ def unpack4(packed: torch.Tensor, scales: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def layer_step_ops(module, x, input_eps, weights, sizes, biases, scales, H, qk_norm, qk_eps, post_eps, cos, sin,
-                   keys, values, slots, S, mask, paired=False, counts=None):
+                   keys, values, slots, S, mask, paired=False, counts=None, packed_keys=False):
     """The compiled `layer_step` as its kernels called one at a time from Python (the same bits, packed
     tokens with `counts` too): what `tlt bench roofline` times call by call to split a step into products
     and attention."""
@@ -183,8 +184,9 @@ def layer_step_ops(module, x, input_eps, weights, sizes, biases, scales, H, qk_n
     qkv = module.linear(normed, weights[0], sizes[0], biases[0], None, scales[0])
     if rows is not None:
         qkv = qkv.new_zeros(B * T, sizes[0]).index_copy_(0, rows, qkv)
-    q = module.rope_write(qkv.view(B, T, sizes[0] // D, D), H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired)
-    attended = module.attention(q, keys[:, :, :S], values[:, :, :S], mask, paired, counts).view(B * T, -1)
+    q = module.rope_write(qkv.view(B, T, sizes[0] // D, D), H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired,
+                          packed_keys)
+    attended = module.attention(q, keys[:, :, :S], values[:, :, :S], mask, paired, counts, packed_keys).view(B * T, -1)
     if rows is not None:
         attended = attended.index_select(0, rows)
     h = module.linear(attended, weights[1], sizes[1], biases[1], x2, scales[1])

@@ -168,7 +168,7 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
         return fused.qkv.kernels.layer_step(
             x.contiguous(), -1.0 if fused.input_eps is None else fused.input_eps, fused.weights, fused.sizes,
             fused.biases, fused.scales, H, fused.qk_norm_f32, fused.qk_eps, fused.post_eps, cos, sin, keys, values,
-            cache.lengths, S, mask, cache.paired, counts)
+            cache.lengths, S, mask, cache.paired, counts, cache.packed_keys)
     if counts is not None:
         raise ValueError("fused_layer_step: packed tokens (counts) run on the kernels' layer step only")
     B, T, hidden = x.shape

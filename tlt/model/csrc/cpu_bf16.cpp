@@ -28,7 +28,8 @@
 //
 // attention: bf16 queries over bf16 or float32 keys and values (the CPU cache of a bf16 model), the queries of
 // one kv head together. Scores are linear's product of the queries with the head's keys, packed as a
-// weight once per call (a key's score is the same arithmetic wherever it sits), and the weighted sum of
+// weight once per call, or kept so by the cache where no AMX runs (packed keys, key_word), read in place
+// (a key's score is the same arithmetic wherever it sits), and the weighted sum of
 // values and the sum of weights run in slot order, where masked keys (an additive -inf) add exact zeros:
 // a query's result depends only on the keys it sees, in their order, not on how many queries share the
 // forward or which masked keys lie between. 17 queries per kv head over 217 keys: 90 us a layer against
@@ -436,6 +437,15 @@ TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, int64_t pai
     for (int64_t p = 0; p < pairs; ++p)
       _mm512_storeu_si512(packed + (S / GROUP * pairs + p) * GROUP + 16, _mm512_setzero_si512());
 }
+
+// Packed keys (a bf16 cache's keys kept as pack_keys would pack them, tlt/model/kv_cache.py `packed_keys`): each
+// GROUP slots of a [C, D] key plane (C a multiple of GROUP) are a weight group of D / 2 pairs, pair p of slot s the
+// 32-bit word key_word(s, p, D / 2) of the plane, so the attention's scores read the keys as they lie instead of
+// packing every cached key each call (bench policy through twelve layers, `kernel_ab.py --old-keys natural`: 0.93x
+// the attention's time at 32 rows x 800 cached tokens and one token a row, 0.89x at nine; 16 x 1,500: 0.93x and
+// 0.88x). Ahead has fetched the task's keys and values into L2 already: prefetching the next group of keys or this
+// group's values as the scores run gains nothing more.
+inline int64_t key_word(int64_t s, int64_t p, int64_t pairs) { return (s / GROUP * pairs + p) * GROUP + s % GROUP; }
 
 // Sixteen dimensions of two neighbouring slots' values in the paired layout (below) as float32: the even slot's
 // are the 32-bit lanes' low halves, the odd slot's their high halves.
@@ -926,27 +936,32 @@ TARGET int64_t visible_end(const float* mask, int64_t S) {
 // With paired values (D a multiple of 16) each row's weighted sum runs on bf16-rounded weights up to split[r] (its
 // bf16_split), on the tiles (tile_values) or on VDPBF16PS (dot_values), then in float32 in slot order; on the tiles
 // the keys are not packed either (tile_scores). `scores` holds R * stride floats (stride: S rounded up to 32, plus
-// 16), `packed` S * qs bf16 rounded up to 32 keys.
+// 16), `packed` S * qs bf16 rounded up to 32 keys. packed_keys: the keys are a bf16 plane of packed keys (key_word),
+// read in place by the AVX-512 block on either unit, whose arithmetic is pack_keys' and linear's: the same scores.
 template <int C, bool PAIRED, typename KV>
 TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, int64_t ks, const KV* v, int64_t vs,
                         const float* const* masks, const int64_t* unmasked, const int64_t* visible,
                         const int64_t* split, int64_t D,
-                        float scale, float* scores, uint32_t* packed, uint16_t* const* out, bool tiles) {
+                        float scale, float* scores, uint32_t* packed, uint16_t* const* out, bool tiles,
+                        bool packed_keys) {
   int64_t S = *std::max_element(visible, visible + R), stride = (S + GROUP - 1) / GROUP * GROUP + 16;
-  int64_t pairs = qs / 2;
+  int64_t pairs = packed_keys ? D / 2 : qs / 2;
   __mmask16 last = tail_mask(D - 16 * (C - 1));
-  bool bf16_sums = PAIRED && D % 16 == 0, direct = bf16_sums && tiles;
+  bool bf16_sums = PAIRED && D % 16 == 0, direct = bf16_sums && tiles && !packed_keys;
   if (direct) {
     tile_scores(q, qs, R, reinterpret_cast<const uint16_t*>(k), ks, S, D, scores, stride,
                 reinterpret_cast<const uint16_t*>(v), vs);
   } else {
-    pack_keys(k, ks, S, D, pairs, packed, v, vs);
+    if (packed_keys)
+      packed = reinterpret_cast<uint32_t*>(const_cast<KV*>(k));
+    else
+      pack_keys(k, ks, S, D, pairs, packed, v, vs);
     alignas(64) float acc[AMX_ROWS * GROUP];
     int64_t configured = 0;
     for (int64_t s0 = 0; s0 < S; s0 += GROUP) {
       const uint16_t* group = reinterpret_cast<const uint16_t*>(packed + (s0 / GROUP) * pairs * GROUP);
       for (int64_t r0 = 0, rows = 0; r0 < R; r0 += rows) {
-        if (tiles) {
+        if (tiles && !packed_keys) {
           rows = std::min(AMX_ROWS, R - r0);
           if (rows != configured) amx_configure(configured = rows);
           amx_block(q + r0 * qs, qs, group, pairs, acc);
@@ -1021,7 +1036,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
 template <typename KV>
 using Attend = void (*)(const uint16_t*, int64_t, int64_t, const KV*, int64_t, const KV*, int64_t, const float* const*,
                         const int64_t*, const int64_t*, const int64_t*, int64_t, float, float*, uint32_t*,
-                        uint16_t* const*, bool);
+                        uint16_t* const*, bool, bool);
 template <typename KV, bool PAIRED = false>
 constexpr Attend<KV> ATTEND[9] = {nullptr,
                                   attend_rows<1, PAIRED, KV>,
@@ -1273,9 +1288,9 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, dou
 // strides otherwise), mask [B, 1, T, S] float32 additive (last dim contiguous) or undefined (causal over the
 // last T keys) -> [B, T, H * D] bf16. Query head h reads kv head h / (H / H_kv). paired: bf16 values in
 // weighted_values' paired layout (slot rows of D elements next to each other, S rounded up to even inside the
-// buffer).
+// buffer). packed_keys: bf16 keys in planes of packed keys (key_word; S rounded up to GROUP inside the buffer).
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
-                        bool paired, c10::optional<torch::Tensor> counts) {
+                        bool paired, c10::optional<torch::Tensor> counts, bool packed_keys) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kBFloat16 && q.stride(3) == 1,
               "attention: q must be [B, H, T, D] bf16 with contiguous rows");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == v.scalar_type() &&
@@ -1287,6 +1302,13 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   TORCH_CHECK(D <= 16 * MAX_CHUNKS && D % 2 == 0, "attention: head dim must be even and at most ", 16 * MAX_CHUNKS);
   TORCH_CHECK(!paired || (v.scalar_type() == torch::kBFloat16 && v.stride(2) == D),
               "attention: paired values must be bf16 with slot rows next to each other");
+  // Packed keys are read a whole group at a time: the last plane's group holding slot S - 1 must lie inside the
+  // keys' storage (a cache's capacity is a multiple of GROUP).
+  TORCH_CHECK(!packed_keys || (k.scalar_type() == torch::kBFloat16 && k.stride(2) == D &&
+                               (k.storage_offset() + (B - 1) * k.stride(0) + (Hkv - 1) * k.stride(1) +
+                                (S + GROUP - 1) / GROUP * GROUP * D) * 2 <= static_cast<int64_t>(k.storage().nbytes())),
+              "attention: packed keys must be bf16 planes of slot rows next to each other, whole groups of ", GROUP,
+              " slots inside their buffer");
   // An odd S reads the pair row of slot S - 1 whole: slot S must lie inside the values' storage (a cache's even
   // capacity), holding finite values.
   TORCH_CHECK(!paired || S % 2 == 0 ||
@@ -1361,7 +1383,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     thread_local std::vector<uint16_t*> outs;
     int64_t keys_up = (S + GROUP - 1) / GROUP * GROUP;
     scores.resize(R * (keys_up + 16));
-    packed.resize(keys_up * Dq / 2);
+    if (!packed_keys) packed.resize(keys_up * Dq / 2);
     qb.assign(R * Dq, 0);
     masks.resize(R);
     visible.resize(R);
@@ -1396,17 +1418,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         ATTEND<uint16_t, true>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                               reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
                                               unmasked.data(), visible.data(), split.data(), D, scale, scores.data(),
-                                              packed.data(), outs.data(), tiles);
+                                              packed.data(), outs.data(), tiles, packed_keys);
       else if (half)
         ATTEND<uint16_t>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const uint16_t*>(kh), k.stride(2),
                                         reinterpret_cast<const uint16_t*>(vh), v.stride(2), masks.data(),
                                         unmasked.data(), visible.data(), split.data(), D, scale, scores.data(),
-                                        packed.data(), outs.data(), tiles);
+                                        packed.data(), outs.data(), tiles, packed_keys);
       else
         ATTEND<float>[(D + 15) / 16](qb.data(), Dq, Rb, reinterpret_cast<const float*>(kh), k.stride(2),
                                      reinterpret_cast<const float*>(vh), v.stride(2), masks.data(), unmasked.data(),
                                      visible.data(), split.data(), D, scale, scores.data(), packed.data(), outs.data(),
-                                     tiles);
+                                     tiles, false);
     }
   });
   return out;
@@ -1504,11 +1526,11 @@ TARGET void rope_head(const uint16_t* head, int64_t D, bool rotate, const float*
 // qkv [B, T, H + 2 H_kv, D] bf16 contiguous (heads: H queries, H_kv keys, H_kv values); norm [H + H_kv, D]
 // float32 or undefined (no q/k norm); cos, sin [B or 1, T, D] bf16, rows contiguous (tlt/model/rope.py's tables:
 // x * cos + roll(x, D / 2) * sin); keys, values [B, H_kv, C, D] bf16 or float32 (rows of D contiguous); slots [B]
-// int64: row b's T new tokens go to slots[b] .. slots[b] + T - 1; paired: values in attention's paired layout.
-// Returns q [B, H, T, D] bf16.
+// int64: row b's T new tokens go to slots[b] .. slots[b] + T - 1; paired: values in attention's paired layout;
+// packed_keys: keys in planes of packed keys (key_word). Returns q [B, H, T, D] bf16.
 torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tensor> norm, double eps, torch::Tensor cos,
                          torch::Tensor sin, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                         bool paired) {
+                         bool paired, bool packed_keys) {
   TORCH_CHECK(qkv.dim() == 4 && qkv.scalar_type() == torch::kBFloat16 && qkv.is_contiguous(),
               "rope_write: qkv must be [B, T, heads, D] bf16, contiguous");
   int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(3), Hkv = (qkv.size(2) - H) / 2;
@@ -1532,6 +1554,9 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
   }
   TORCH_CHECK(!paired || (values.scalar_type() == torch::kBFloat16 && values.stride(2) == D && keys.size(2) % 2 == 0),
               "rope_write: paired values must be bf16 with slot rows next to each other and an even capacity");
+  TORCH_CHECK(!packed_keys || (keys.scalar_type() == torch::kBFloat16 && keys.stride(2) == D && keys.size(2) % GROUP == 0),
+              "rope_write: packed keys must be bf16 planes of slot rows next to each other, a capacity a multiple of ",
+              GROUP);
   const int64_t* slot = slots.data_ptr<int64_t>();
   int64_t C = keys.size(2);
   for (int64_t b = 0; b < B; ++b)
@@ -1549,21 +1574,31 @@ torch::Tensor rope_write(torch::Tensor qkv, int64_t H, c10::optional<torch::Tens
   // One item: one head of one token, rounded as the reference layer rounds (see the top of the file).
   at::parallel_for(0, B * T * heads, 256, [&](int64_t i0, int64_t i1) {
     alignas(64) float x[512];  // the head twice: x[d + D / 2] is x's rotation by half
+    alignas(64) uint16_t key[256];  // a packed key's D elements before they go to their words
     for (int64_t i = i0; i < i1; ++i) {
       int64_t b = i / (T * heads), t = i / heads % T, h = i % heads;
       const uint16_t* head = src + i * D;
       int64_t rope_at = (cos.size(0) == 1 ? 0 : b * cos.stride(0)) + t * cos.stride(1);
       char* dst = nullptr;  // the cache row it goes to, if a key or a value (the pair row of paired values)
+      uint16_t* to = h < H ? qp + ((b * H + h) * T + t) * D : nullptr;  // bf16 out: a query (or a packed key)
       int parity = -1;
+      bool packed_key = packed_keys && h >= H && h < H + Hkv;
       if (h >= H + Hkv) {
         int64_t s = slot[b] + t;
         if (paired) parity = s % 2, s -= parity;
         dst = vp + (b * values.stride(0) + (h - H - Hkv) * values.stride(1) + s * values.stride(2)) * item;
+      } else if (packed_key) {
+        to = key;
       } else if (h >= H) {
         dst = kp + (b * keys.stride(0) + (h - H) * keys.stride(1) + (slot[b] + t) * keys.stride(2)) * item;
       }
       rope_head(head, D, h < H + Hkv, w ? w + h * D : nullptr, static_cast<float>(eps), cp + rope_at, sp + rope_at,
-                x, h < H ? qp + ((b * H + h) * T + t) * D : nullptr, dst, half, parity);
+                x, to, dst, half, parity);
+      if (packed_key) {
+        auto plane = reinterpret_cast<uint32_t*>(kp + (b * keys.stride(0) + (h - H) * keys.stride(1)) * item);
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(key);
+        for (int64_t p = 0; p < D / 2; ++p) plane[key_word(slot[b] + t, p, D / 2)] = words[p];
+      }
     }
   });
   return q;
@@ -1621,11 +1656,11 @@ TARGET void move_paired(uint16_t* v, int64_t D, int64_t src, int64_t dst) {
 }  // namespace
 
 // KVCache.compact on the store [2L, B, H_kv, C, D] (float32 or bf16, rows of D contiguous, any strides otherwise;
-// entries L.. paired values where `paired`): in every layer's keys and values, row b's slot base[b] + keep[b][j]
-// moves to base[b] + j for j < counts[b] (base, counts [B], keep [B, K] int64). keep ascends, so moving in
-// increasing j never overwrites a slot still to be read.
+// entries L.. paired values where `paired`, entries ..L - 1 planes of packed keys where `packed_keys`): in every
+// layer's keys and values, row b's slot base[b] + keep[b][j] moves to base[b] + j for j < counts[b] (base, counts
+// [B], keep [B, K] int64). keep ascends, so moving in increasing j never overwrites a slot still to be read.
 void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor keep, torch::Tensor counts,
-             bool paired) {
+             bool paired, bool packed_keys) {
   TORCH_CHECK(store.dim() == 5 && store.stride(4) == 1 && store.size(0) == 2 * L &&
               (store.scalar_type() == torch::kFloat32 || store.scalar_type() == torch::kBFloat16),
               "compact: store must be [2L, B, H_kv, C, D] float32 or bf16 with contiguous rows");
@@ -1636,6 +1671,9 @@ void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor k
               keep.size(0) == B, "compact: base, counts [B] and keep [B, K] must be int64");
   TORCH_CHECK(!paired || (store.scalar_type() == torch::kBFloat16 && store.stride(3) == D && C % 2 == 0),
               "compact: paired values must be bf16 with slot rows next to each other");
+  TORCH_CHECK(!packed_keys || (store.scalar_type() == torch::kBFloat16 && store.stride(3) == D && C % GROUP == 0),
+              "compact: packed keys must be bf16 planes of slot rows next to each other, a capacity a multiple of ",
+              GROUP);
   const int64_t* bp = base.data_ptr<int64_t>();
   const int64_t* kp = keep.data_ptr<int64_t>();
   const int64_t* cp = counts.data_ptr<int64_t>();
@@ -1653,10 +1691,14 @@ void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor k
       for (int64_t j = 0; j < cp[b]; ++j) {
         int64_t src = bp[b] + kp[b * K + j], dst = bp[b] + j;
         if (src == dst) continue;
-        if (paired && half >= L)
+        if (paired && half >= L) {
           move_paired(reinterpret_cast<uint16_t*>(row), D, src, dst);
-        else
+        } else if (packed_keys && half < L) {
+          auto plane = reinterpret_cast<uint32_t*>(row);
+          for (int64_t p = 0; p < D / 2; ++p) plane[key_word(dst, p, D / 2)] = plane[key_word(src, p, D / 2)];
+        } else {
           std::memmove(row + dst * store.stride(3) * item, row + src * store.stride(3) * item, D * item);
+        }
       }
     }
   });
@@ -1669,7 +1711,7 @@ void compact(torch::Tensor store, int64_t L, torch::Tensor base, torch::Tensor k
 // down; qk_norm as rope_write's; cos, sin
 // [B or 1, T, (1,) D]; keys, values the layer's cache buffers with room for T more per row, slots [B] the
 // rows' lengths, S the slots attention reads; mask as attention's over those S slots; paired: the values in
-// attention's paired layout. With counts [B] x is packed, [N, hidden] (N = sum of counts): row b's first
+// attention's paired layout; packed_keys: the keys in planes of packed keys. With counts [B] x is packed, [N, hidden] (N = sum of counts): row b's first
 // counts[b] tokens, rows in order, the rest of its T (cos.size(1)) padding. The products then run over the N
 // real tokens only; rope_write and the cache see them at their places in [B, T] (padding as zeros) and the
 // attention computes only their queries. Each token's result is the same bit for bit either way.
@@ -1678,7 +1720,8 @@ torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::T
                          std::vector<c10::optional<torch::Tensor>> scales, int64_t H,
                          c10::optional<torch::Tensor> qk_norm, double qk_eps, double post_eps, torch::Tensor cos,
                          torch::Tensor sin, torch::Tensor keys, torch::Tensor values, torch::Tensor slots, int64_t S,
-                         c10::optional<torch::Tensor> mask, bool paired, c10::optional<torch::Tensor> counts) {
+                         c10::optional<torch::Tensor> mask, bool paired, c10::optional<torch::Tensor> counts,
+                         bool packed_keys) {
   bool packed = counts && counts->defined();
   TORCH_CHECK(x.dim() == (packed ? 2 : 3) && x.is_contiguous(),
               packed ? "layer_step: packed x must be [N, hidden], contiguous"
@@ -1708,9 +1751,10 @@ torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::T
   auto normed = input_eps < 0 ? x2 : rms_norm(x2.unsqueeze(0), c10::nullopt, input_eps).squeeze(0);
   auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt, scales[0], false);
   if (packed) qkv = torch::zeros({B * T, sizes[0]}, qkv.options()).index_copy_(0, rows, qkv);
-  auto q = rope_write(qkv.view({B, T, sizes[0] / D, D}), H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired);
+  auto q = rope_write(qkv.view({B, T, sizes[0] / D, D}), H, qk_norm, qk_eps, cos, sin, keys, values, slots, paired,
+                      packed_keys);
   auto ks = keys.narrow(2, 0, S), vs = values.narrow(2, 0, S);
-  auto attended = attention(q, ks, vs, mask, paired, counts).view({B * T, -1});
+  auto attended = attention(q, ks, vs, mask, paired, counts, packed_keys).view({B * T, -1});
   if (packed) attended = attended.index_select(0, rows);
   auto h = linear(attended, weights[1], sizes[1], biases[1], x2, scales[1], false);
   auto normed_h = rms_norm(h.unsqueeze(0), c10::nullopt, post_eps).squeeze(0);
@@ -1723,9 +1767,10 @@ torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, py::arg("qkv"), py::arg("H"), py::arg("norm"), py::arg("eps"), py::arg("cos"),
-        py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("paired") = false);
+        py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("paired") = false,
+        py::arg("packed_keys") = false);
   m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("paired") = false,
-        py::arg("counts") = py::none());
+        py::arg("counts") = py::none(), py::arg("packed_keys") = false);
   m.def("supported", &supported);
   m.def("amx", &amx);
   m.def("set_amx", &set_amx);
@@ -1735,10 +1780,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales") = py::none(), py::arg("silu") = false);
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
-  m.def("compact", &compact);
+  m.def("compact", &compact, py::arg("store"), py::arg("L"), py::arg("base"), py::arg("keep"), py::arg("counts"),
+        py::arg("paired"), py::arg("packed_keys") = false);
   m.def("tree_mask", &tree_mask, py::arg("lengths"), py::arg("tree"), py::arg("valid"), py::arg("S"));
   m.def("layer_step", &layer_step, py::arg("x"), py::arg("input_eps"), py::arg("weights"), py::arg("sizes"),
         py::arg("biases"), py::arg("scales"), py::arg("H"), py::arg("qk_norm"), py::arg("qk_eps"), py::arg("post_eps"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("S"),
-        py::arg("mask"), py::arg("paired") = false, py::arg("counts") = py::none());
+        py::arg("mask"), py::arg("paired") = false, py::arg("counts") = py::none(), py::arg("packed_keys") = false);
 }
