@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,19 @@ def tiny_hf_model(arch: str = "qwen2", seed: int = 0, **overrides):
             else:
                 p.normal_(0, 0.08)
     return model
+
+
+def edit_config(folder: Path, **changes) -> Path:
+    """Rewrite config.json with `changes` applied; a value of None deletes the field."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config, indent=2))
+    return path
 
 
 @pytest.fixture

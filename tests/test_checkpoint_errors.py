@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tlt
+from conftest import edit_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,19 +19,6 @@ REPO = Path(__file__).resolve().parent.parent
 def folder(hf_folder):
     """A loadable tiny Qwen3 folder that each test then damages."""
     return hf_folder("qwen3")[1]
-
-
-def edit_config(folder: Path, **changes) -> Path:
-    """Rewrite config.json with `changes` applied; a value of None deletes the field."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config, indent=2))
-    return path
 
 
 def test_path_that_is_neither_folder_nor_builtin(tmp_path):

@@ -106,6 +106,18 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     return {name: folder / shard for name, shard in weight_map.items()}
 
 
+def _missing_weights_hint(folder: Path) -> str:
+    """What the folder holds instead of model.safetensors, and what to do about it ("" when nothing)."""
+    bins = sorted(f.name for f in folder.glob("*.bin"))
+    if bins:
+        return (f"; found {bins[:3]}: tlt reads safetensors only (resave the folder with transformers' "
+                "save_pretrained, which writes safetensors)")
+    shards = sorted(f.name for f in folder.glob("*.safetensors"))
+    if shards:
+        return f"; found {shards[:3]} but no model.safetensors.index.json mapping tensors to them"
+    return ""
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -115,7 +127,7 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.is_file():
-            hint = " (listed in model.safetensors.index.json)" if shards else ""
+            hint = " (listed in model.safetensors.index.json)" if shards else _missing_weights_hint(folder)
             raise CheckpointError(f"{f}: weights file is missing{hint}")
         try:
             tensors.update(load_file(str(f)))
@@ -140,7 +152,9 @@ def load_model(
     target = parse_dtype(dtype, config)
     with torch.device("meta"):
         model = Transformer(config)
-    tensors = read_tensors(folder)
+    # Older checkpoints saved each attention's rotary frequencies; they are recomputed from config.json
+    # here, as transformers does, which ignores them too.
+    tensors = {k: v for k, v in read_tensors(folder).items() if not k.endswith("rotary_emb.inv_freq")}
     expected = model.state_dict()
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

@@ -25,13 +25,19 @@ _REQUIRED_KEYS = {
 }
 
 
-def check_rope_scaling(scaling: dict[str, Any]) -> None:
+def check_rope_scaling(scaling: dict[str, Any], field: str = "rope_scaling") -> None:
+    """Refuse a scaling tlt does not compute, or one missing a parameter its type needs; `field` names the
+    config field holding it in the message."""
     kind = scaling.get("rope_type")
     if kind not in _REQUIRED_KEYS:
-        raise ConfigError(f"rope_type {kind!r} is not supported; expected one of default, {', '.join(_REQUIRED_KEYS)}")
+        raise ConfigError(f"rope_type {kind!r} is not supported (field {field!r}); expected one of default, "
+                          f"{', '.join(_REQUIRED_KEYS)}")
     for key in _REQUIRED_KEYS[kind]:
-        if scaling.get(key) is None:
-            raise ConfigError(f"rope scaling of type {kind!r} needs field {key!r}")
+        value = scaling.get(key)
+        if value is None:
+            raise ConfigError(f"rope scaling of type {kind!r} needs field {key!r} in {field!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"field {key!r} of {field!r} must be a positive number, got {value!r}")
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
