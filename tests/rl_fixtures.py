@@ -7,16 +7,18 @@ from tlt.config import flatten, override
 from tlt.rl import TrainConfig
 
 
-def save_tiny_policy(folder):
-    """A random 2-layer Qwen3-style model with the character tokenizer, saved as a model folder."""
+def save_tiny_policy(folder, **overrides):
+    """A random 2-layer Qwen3-style model with the character tokenizer, saved as a model folder;
+    `overrides` are ModelConfig fields (another size)."""
     from tlt.model import ModelConfig, Transformer
     from tlt.tasks import CharTokenizer
 
     torch.manual_seed(0)
-    Transformer(ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256, qk_norm=True,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(folder)
+    fields = dict(architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  max_position_embeddings=256, qk_norm=True, tie_word_embeddings=True, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    Transformer(ModelConfig(**{**fields, **overrides})).save_pretrained(folder)
     CharTokenizer().save_pretrained(folder)
     return folder
 

@@ -88,3 +88,61 @@ def test_help_config_lists_every_key_with_its_default(capsys):
         assert line is not None, key
         assert line.split()[0] == f"{key}={format_value(default)}" and len(line.split()) > 1, line  # and a meaning
     assert "drafter.*: the learned drafter and its online training on released workers" in lines
+
+
+def test_a_yaml_file_that_cannot_be_read_is_one_line_naming_it(tmp_path):
+    """Regression: a binary file gave a UnicodeDecodeError traceback, a folder was "missing", and a
+    syntax error's message ran over several lines quoting "<unicode string>"."""
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00steps")
+    with pytest.raises(ConfigError, match=r"binary.yaml: not a UTF-8 text file \(invalid start byte at byte 0\)"):
+        build(TrainConfig, tmp_path / "binary.yaml")
+    with pytest.raises(ConfigError, match=r": is a folder; expected a YAML config file"):
+        build(TrainConfig, tmp_path)
+    (tmp_path / "bad.yaml").write_text("steps: 2\n  group_size: [2\n")
+    with pytest.raises(ConfigError) as caught:
+        build(TrainConfig, tmp_path / "bad.yaml")
+    assert str(caught.value) == f"{tmp_path / 'bad.yaml'}: line 2, column 13: invalid YAML (mapping values are not allowed here)"
+    (tmp_path / "two.yaml").write_text("steps: 1\n---\nsteps: 2\n")
+    with pytest.raises(ConfigError, match=r"two.yaml: line 2, column 1: invalid YAML \(expected a single document"):
+        build(TrainConfig, tmp_path / "two.yaml")
+    (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbfsteps: 3\n")  # a byte-order mark (Windows editors) is read past
+    assert build(TrainConfig, tmp_path / "bom.yaml").steps == 3
+
+
+def test_a_group_given_a_value_of_its_own_names_its_keys(tmp_path):
+    """Regression: `eval=3` or YAML `eval: null` said "no field has a similar name" for a group that exists."""
+    with pytest.raises(ConfigError, match=r"^command line: 'eval' is a group of fields, not a field: set its keys as "
+                                          r"eval.NAME \(eval.every, eval.problems, eval.samples\)$"):
+        build(TrainConfig, None, ["eval=3"])
+    (tmp_path / "run.yaml").write_text("optim: null\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: 'optim' is a group .* \(optim.beta1, optim.beta2, optim.grad_clip, ...\)"):
+        build(TrainConfig, tmp_path / "run.yaml")
+
+
+@pytest.mark.parametrize("yaml_text, override, message", [
+    ("dataset: [a.jsonl, b.jsonl]\n", None, r"run.yaml: field 'dataset': expected a string, got \['a.jsonl', 'b.jsonl'\]"),
+    ("model: null\n", None, "run.yaml: field 'model': expected a string, got None"),
+    ("reward: [math]\n", None, r"run.yaml: field 'reward': expected a string, got \['math'\]"),
+    (None, "dataset=", "command line: field 'dataset' must be a file path or none, got ''"),
+    (None, "eval_dataset= ", "command line: field 'eval_dataset' must be a file path or none, got ''"),
+    (None, "model=", "command line: field 'model' must be a model folder or a built-in name, got ''"),
+    (None, "task=arithmetc", r"command line: field 'task' must be one of \('arithmetic', 'bench'\), got 'arithmetc'"),
+])
+def test_a_value_that_is_not_a_name_is_refused(tmp_path, yaml_text, override, message):
+    """Regression: YAML `dataset: [a, b]` became the path "['a', 'b']" and `model: null` the folder "None";
+    `dataset=` (an unset shell variable) silently trained on the built-in task instead; `task=nosuch`
+    ended in a ValueError traceback."""
+    if yaml_text is not None:
+        (tmp_path / "run.yaml").write_text(yaml_text)
+    with pytest.raises(ConfigError, match=f"(^|/){message}$"):
+        build(TrainConfig, tmp_path / "run.yaml" if yaml_text else None, [override] if override else [])
+
+
+def test_yaml_off_and_on_are_words_not_booleans(tmp_path):
+    """Regression: PyYAML read `speculative: off` (the README's speculative=off, as YAML) as False, which
+    failed as "must be one of ('off', 'on', 'adaptive'), got 'False'"; so did `arms: [off, ngram-d4]`."""
+    (tmp_path / "run.yaml").write_text("speculative: off\ntuner: {arms: [off, ngram-d4]}\n"
+                                       "log: {wandb: yes, tensorboard: True}\nloss: {normalize_std: off}\n")
+    c = build(TrainConfig, tmp_path / "run.yaml")
+    assert c.speculative == "off" and c.tuner.arms == ("off", "ngram-d4")
+    assert c.log.wandb is True and c.log.tensorboard is True and c.loss.normalize_std is False

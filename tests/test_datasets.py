@@ -146,3 +146,36 @@ def test_skip_mode_warns_once_naming_the_bad_rows(tmp_path):
     write_jsonl(path, ["{oops"])
     with pytest.warns(UserWarning):
         assert "all 1 rows are malformed" in error_text(path=path, on_bad_row="skip")
+
+
+def test_a_folder_an_upper_case_extension_and_the_setting_that_named_the_file(tmp_path):
+    """Regression: a folder was reported as "no such file", an eval file's errors said "dataset", and
+    DATA.JSONL was an unknown extension."""
+    (tmp_path / "train.jsonl").mkdir()
+    assert "train.jsonl: is a folder; expected a .jsonl or .parquet file" in error_text(path=tmp_path / "train.jsonl")
+    text = error_text(path=tmp_path / "held.jsonl", name="eval_dataset")
+    assert text == f"eval_dataset {tmp_path / 'held.jsonl'}: no such file"
+    write_jsonl(tmp_path / "DATA.JSONL", [{"prompt": "a"}])
+    assert [e.prompt for e in load_examples(tmp_path / "DATA.JSONL")] == ["a"]
+    write_jsonl(tmp_path / "data.json", [{"prompt": "a"}])
+    assert "'.json', expected .jsonl or .parquet (JSON lines" in error_text(path=tmp_path / "data.json")
+
+
+def test_a_row_of_the_other_layout_is_named(tmp_path):
+    """Regression: with TRL's layout picked from the first row, a later verl row loaded without its
+    `ground_truth` (the reward got None for it); the other way round it was already an error."""
+    path = tmp_path / "data.jsonl"
+    write_jsonl(path, [{"prompt": "q", "answer": "1"}, verl_rows()[0]])
+    text = error_text(path=path)
+    assert f"{path} line 2: a 'reward_model' record (verl's layout), but {path} line 1 has no 'reward_model'" in text
+    write_jsonl(path, [verl_rows()[0], {"prompt": "q", "answer": "1"}])
+    assert f"{path} line 2, column 'reward_model'" in error_text(path=path)
+    write_jsonl(path, [{"prompt": "q", "answer": "1"}, verl_rows()[0]])
+    assert load_examples(path, format="trl")[1].columns["reward_model"]["ground_truth"] == "0"  # asked for: as is
+
+
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
+    """Regression: a JSONL file saved with a byte-order mark (Windows editors) failed at line 1."""
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "a"}).encode() + b"\n" + b'{"prompt": "b"}\n')
+    assert [e.prompt for e in load_examples(path)] == ["a", "b"]

@@ -127,3 +127,55 @@ def test_ctrl_c_reaches_the_trainer_not_the_reward_workers(capfd):
         assert score(runner, ["a", "x", "c", "d"]).rewards == [1.0, 0.0, 1.0, 1.0]
     err = capfd.readouterr().err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+def as_text(prompts, completions, **_):
+    return "1.0"
+
+
+def by_row_index(prompts, completions, **_):
+    return {i: 0.5 for i in range(len(completions))}
+
+
+def as_set(prompts, completions, **_):
+    return {1.0}
+
+
+def calls_sys_exit(prompts, completions, **_):
+    raise SystemExit(3)
+
+
+def test_a_string_mapping_or_set_is_not_a_list_of_rewards():
+    """Regression: a returned string was read as one value per character ("returned 3 values"), and a
+    mapping by its keys: {0: 0.5, 1: 0.5} for two rows scored them 0.0 and 1.0 without an error."""
+    # a failed call is retried row by row, so each message shows what a one-row call returned
+    for fn, shown in ((as_text, "str '1.0'"), (by_row_index, "dict {0: 0.5}"), (as_set, "set {1.0}")):
+        result = RewardRunner(fn).score(["p", "q"], ["a", "b"], {}, ["d:1", "d:2"])
+        assert result.rewards == [0.0, 0.0]
+        assert result.errors[0].startswith(f"d:1: reward '{fn.__name__}' returned {shown}"), result.errors
+        assert "not a list of" in result.errors[0]
+
+
+def test_sys_exit_in_a_reward_fails_its_rows_not_the_run():
+    """Regression: a reward (or a library it calls) that called sys.exit() ended the training process
+    without a message (workers=0), or took its worker process down (workers >= 1)."""
+    result = RewardRunner(calls_sys_exit).score(["p"], ["a"], {}, ["d:1"])
+    assert result.rewards == [0.0] and result.errors == ["d:1: reward 'calls_sys_exit' raised SystemExit: 3"]
+
+
+def test_a_reward_module_that_fails_to_import_is_one_error(tmp_path, monkeypatch):
+    """Regression: a reward module with a syntax error, or one whose top-level code raised, ended
+    `tlt train` in a traceback; a non-callable attribute was "no function"; a file path got no hint."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "typo_reward.py").write_text("def f(prompts, completions, **_):\n    return [1.0 for c in completions\n")
+    (tmp_path / "setup_reward.py").write_text("import os\nSCALE = float(os.environ['NO_SUCH_VARIABLE_TLT'])\n")
+    (tmp_path / "value_reward.py").write_text("score = 1.0\n")
+    with pytest.raises(ConfigError, match=r"^reward 'typo_reward:f': importing module 'typo_reward' raised "
+                                          r"SyntaxError: .*typo_reward.py, line 2"):
+        get_reward("typo_reward:f")
+    with pytest.raises(ConfigError, match="importing module 'setup_reward' raised KeyError: 'NO_SUCH_VARIABLE_TLT'"):
+        get_reward("setup_reward:f")
+    with pytest.raises(ConfigError, match=r"value_reward.score is not callable \(type float\)"):
+        get_reward("value_reward:score")
+    with pytest.raises(ConfigError, match="give the module's import name .* not a file path"):
+        get_reward(f"{tmp_path / 'value_reward.py'}:score")

@@ -61,6 +61,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         except (TypeError, ValueError):
             raise bad from None
     if annotation is str:
+        # A number is a name here (a YAML `wandb_project: 2024`); a list, mapping, bool or null is not text.
+        if value is None or isinstance(value, (bool, list, tuple, dict, set)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
         return str(value)
     return value
 
@@ -198,6 +201,10 @@ def unknown_field(key: str, fields: set[str], owner: str) -> str:
     """'unknown field ...' with the closest known names, instead of every one of them."""
     import difflib
 
+    inner = sorted(f for f in fields if f.startswith(key + "."))
+    if inner:  # a group given a value of its own (`eval=3`, YAML `eval: null`)
+        shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+        return f"{key!r} is a group of fields, not a field: set its keys as {key}.NAME ({shown})"
     close = difflib.get_close_matches(key, sorted(fields), n=3, cutoff=0.6)
     hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
             else f"no field has a similar name (the {len(fields)} fields are those of {owner})")
@@ -214,18 +221,40 @@ def parse_overrides(items: list[str], source: str = "command line") -> dict[str,
     return out
 
 
+def _yaml_loader():
+    """PyYAML's safe loader with YAML 1.2's booleans, true and false only. YAML 1.1 also reads on, off,
+    yes and no as booleans, which turns `speculative: off` or `arms: [off, ngram-d4]` into False; as
+    text they still set a bool field (`_coerce` reads them)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    bool_tag = "tag:yaml.org,2002:bool"
+    Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
+                                      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return Loader
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder; expected a YAML config file")
     if not path.is_file():
         raise ConfigError(f"{path}: config file is missing")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_bytes().decode("utf-8-sig"), Loader=_yaml_loader()) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        line = f"line {mark.line + 1}: " if mark else ""
-        raise ConfigError(f"{path}: {line}invalid YAML ({exc})") from None
+        if mark is None:
+            raise ConfigError(f"{path}: invalid YAML ({' '.join(str(exc).split())})") from None
+        what = " ".join(part for part in (getattr(exc, "context", None), exc.problem) if part)
+        raise ConfigError(f"{path}: line {mark.line + 1}, column {mark.column + 1}: invalid YAML ({what})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value at the top level")
     return data
@@ -336,10 +365,18 @@ def import_callable(spec: str, what: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{what} {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
+        a_file = module_name.endswith(".py") or "/" in module_name or "\\" in module_name
+        hint = "; give the module's import name (my_rewards:f), its folder on PYTHONPATH, not a file path"
+        raise ConfigError(f"{what} {spec!r}: cannot import module {module_name!r} ({exc})"
+                          f"{hint if a_file else ''}") from exc
+    except Exception as exc:  # the module fails as it runs: a syntax error (its message names the line), a raise
+        raise ConfigError(f"{what} {spec!r}: importing module {module_name!r} raised "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
         raise ConfigError(f"{what} {spec!r}: module {module_name!r} has no function {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r}: {module_name}.{attr} is not callable (type {type(fn).__name__})")
     return fn
 
 

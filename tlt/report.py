@@ -20,7 +20,6 @@ Every file is written atomically. A missing figure is named in report.md with th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -42,13 +41,14 @@ class Run:
 
     def __init__(self, run_dir: str | Path, label: str | None = None) -> None:
         from tlt.config import upgrade
+        from tlt.model.checkpoint import read_json
         from tlt.rl.config import TrainConfig
 
         self.dir = Path(run_dir)
         self.label = label or self.dir.name
         self.rows = read_rows(self.dir / "metrics.jsonl")
         path = self.dir / "config.json"
-        self.config = upgrade(TrainConfig, json.loads(path.read_text())) if path.exists() else {}
+        self.config = upgrade(TrainConfig, read_json(path)) if path.exists() else {}
         self.train = [r for r in self.rows if "reward" in r]
         self.evals = [r for r in self.rows if "eval_accuracy" in r]
 

@@ -8,18 +8,22 @@ Two layouts are read as they are found in the wild:
   records as dicts, so a reward can read `extra_info["split"]` or `reward_model["style"]`.
 - TRL's: a `prompt` column (text or chat messages); every other column passes to the reward as is.
 
-`format="auto"` picks verl's layout when the first row has a `reward_model` column. `columns` renames
+`format="auto"` picks verl's layout when the first row has a `reward_model` column; a later row of
+the other layout is a bad row (read as TRL's, a verl row would reach the reward without its
+`ground_truth`). `columns` renames
 dataset columns to the keyword names a reward expects (`{"answer": "ground_truth"}`), after the layout
 is read, so `ground_truth` can itself be renamed. Each example's `source` is `file:N`: the 1-based
 line for JSONL (what an editor shows), the 0-based row index for Parquet (what pandas and pyarrow
 show).
 
-Bad input. Problems with the file as a whole (missing file, unknown extension, unreadable Parquet,
-no prompt column in a Parquet schema, no examples at all) always raise `ConfigError`. A malformed row
-(bad JSON, not an object, missing prompt, a prompt that is neither text nor messages, a verl row with
-no ground truth, a renamed column it lacks) raises `ConfigError` naming the file, line or row and the
-column with `on_bad_row="error"`, the default, because a silently shrunk dataset skews a run; with
-`on_bad_row="skip"` such rows are left out and one warning names how many and the first few.
+Bad input. Problems with the file as a whole (missing file, a folder, unknown extension, unreadable
+Parquet, no prompt column in a Parquet schema, no examples at all) always raise `ConfigError`, naming
+the setting that gave the path (`name`). A malformed row (bad JSON, not an object, missing prompt, a
+prompt that is neither text nor messages, a verl row with no ground truth, a row of the other layout,
+a renamed column it lacks) raises `ConfigError` naming the file, line or row and the column with
+`on_bad_row="error"`, the default, because a silently shrunk dataset skews a run; with
+`on_bad_row="skip"` such rows are left out and one warning names how many and the first few. A UTF-8
+byte-order mark at the start of a JSONL file (Windows editors write one) is read past.
 """
 
 from __future__ import annotations
@@ -42,11 +46,12 @@ class _BadRow(Exception):
 
 def load_examples(path: str | Path, format: str = "auto", prompt_column: str = "prompt",
                   columns: dict[str, str] | None = None, limit: int | None = None,
-                  on_bad_row: str = "error") -> list[Example]:
+                  on_bad_row: str = "error", name: str = "dataset") -> list[Example]:
     """The examples of a `.jsonl` or `.parquet` file: at most `limit`, in file order.
 
     `format` is "auto", "verl" or "trl"; `prompt_column` names the prompt column; `columns` maps
-    dataset column names to reward keyword names; `on_bad_row` is "error" or "skip".
+    dataset column names to reward keyword names; `on_bad_row` is "error" or "skip"; `name` is the
+    setting that gave `path` (`eval_dataset`, `--dataset`), which errors about the whole file name.
     """
     if format not in FORMATS:
         raise ConfigError(f"dataset format {format!r}: expected one of {list(FORMATS)}")
@@ -58,16 +63,21 @@ def load_examples(path: str | Path, format: str = "auto", prompt_column: str = "
     if len(set(renames.values())) != len(renames):
         raise ConfigError(f"dataset columns mapping {renames}: two dataset columns map to the same name")
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{name} {path}: is a folder; expected a .jsonl or .parquet file")
     if not path.is_file():
-        raise ConfigError(f"dataset {path}: no such file")
-    if path.suffix == ".jsonl":
+        raise ConfigError(f"{name} {path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
         rows = _jsonl_rows(path)
-    elif path.suffix == ".parquet":
-        rows = _parquet_rows(path, prompt_column)
+    elif suffix == ".parquet":
+        rows = _parquet_rows(path, prompt_column, name)
     else:
-        raise ConfigError(f"dataset {path}: unknown extension {path.suffix!r}, expected .jsonl or .parquet")
+        hint = " (JSON lines, one object per line, are read from a .jsonl file)" if suffix == ".json" else ""
+        raise ConfigError(f"{name} {path}: unknown extension {path.suffix!r}, expected .jsonl or .parquet{hint}")
 
     layout = None if format == "auto" else format
+    first = None  # the source of the row the layout was picked from (format="auto")
     examples: list[Example] = []
     skipped: list[str] = []
     for source, row in rows:
@@ -75,7 +85,11 @@ def load_examples(path: str | Path, format: str = "auto", prompt_column: str = "
             if isinstance(row, _BadRow):  # a line the reader could not parse: handled like any bad row
                 raise row
             if layout is None:
-                layout = "verl" if "reward_model" in row else "trl"
+                layout, first = ("verl" if "reward_model" in row else "trl"), source
+            if first is not None and layout == "trl" and isinstance(row.get("reward_model"), dict):
+                raise _BadRow(f"{_where(source)}: a 'reward_model' record (verl's layout), but {_where(first)} has "
+                              "no 'reward_model' column (TRL's layout, picked from the first row); give every row "
+                              "the same layout")
             examples.append(_example(row, source, layout, prompt_column, renames))
         except _BadRow as bad:
             if on_bad_row == "error":
@@ -85,10 +99,10 @@ def load_examples(path: str | Path, format: str = "auto", prompt_column: str = "
             break
     if skipped:
         shown = "; ".join(skipped[:_SHOWN_SKIPS]) + ("; ..." if len(skipped) > _SHOWN_SKIPS else "")
-        warnings.warn(f"dataset {path}: skipped {len(skipped)} malformed rows: {shown}", stacklevel=2)
+        warnings.warn(f"{name} {path}: skipped {len(skipped)} malformed rows: {shown}", stacklevel=2)
     if not examples:
         why = f"all {len(skipped)} rows are malformed" if skipped else "the file has no rows"
-        raise ConfigError(f"dataset {path}: no examples ({why})")
+        raise ConfigError(f"{name} {path}: no examples ({why})")
     return examples
 
 
@@ -99,7 +113,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | _BadRow]]:
         for number, raw in enumerate(f, start=1):
             source = f"{path}:{number}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 yield source, _BadRow(f"{path} line {number}: not UTF-8 text ({exc})")
                 continue
@@ -116,7 +130,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | _BadRow]]:
             yield source, row
 
 
-def _parquet_rows(path: Path, prompt_column: str) -> Iterator[tuple[str, dict]]:
+def _parquet_rows(path: Path, prompt_column: str, name: str) -> Iterator[tuple[str, dict]]:
     """(source, row) per Parquet row, read batch by batch so `limit` does not read the whole file;
     nested structs and lists arrive as dicts and lists."""
     import pyarrow as pa
@@ -125,17 +139,17 @@ def _parquet_rows(path: Path, prompt_column: str) -> Iterator[tuple[str, dict]]:
     try:
         file = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
-        raise ConfigError(f"dataset {path}: not a readable Parquet file ({exc})") from exc
+        raise ConfigError(f"{name} {path}: not a readable Parquet file ({exc})") from exc
     names = file.schema_arrow.names
     if prompt_column not in names:
-        raise ConfigError(f"dataset {path}: no column {prompt_column!r} for the prompt; columns are {names}")
+        raise ConfigError(f"{name} {path}: no column {prompt_column!r} for the prompt; columns are {names}")
     index = 0
     batches = file.iter_batches(batch_size=1024)
     while True:
         try:
             batch = next(batches, None)
         except (pa.ArrowException, OSError) as exc:
-            raise ConfigError(f"dataset {path}: cannot read its rows from row {index} on ({exc})") from exc
+            raise ConfigError(f"{name} {path}: cannot read its rows from row {index} on ({exc})") from exc
         if batch is None:
             return
         for row in batch.to_pylist():

@@ -32,6 +32,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import NamedTuple, Sequence
@@ -79,8 +80,11 @@ def _invoke(fn: RewardFn, kwargs: dict, prompts: list, completions: list, column
         returned = fn(prompts, completions, **columns, **kwargs)
     except ConfigError as exc:
         return _failed(n, str(exc), retry=False, fatal=True)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a reward (or a library it calls) fails its rows, not the run
         return _failed(n, f"raised {type(exc).__name__}: {exc}")
+    # A string would be read as one value per character, a mapping as its keys, a set out of order
+    if isinstance(returned, (str, bytes, Mapping, Set)):
+        return _failed(n, f"returned {type(returned).__name__} {_short(returned)}, not a list of {n} values")
     try:
         values = list(returned)
     except TypeError:
@@ -90,6 +94,11 @@ def _invoke(fn: RewardFn, kwargs: dict, prompts: list, completions: list, column
     rewards = [_finite(v) for v in values]
     return _Outcome([0.0 if r is None else r for r in rewards],
                     [None if r is not None else f"returned {v!r}, not a finite number" for r, v in zip(rewards, values)])
+
+
+def _short(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width] + "..."
 
 
 def _finite(value: object) -> float | None:

@@ -163,6 +163,15 @@ class TrainConfig:
             check_int(self, name, 0)
         check_int(self, "group_size")
         check(self, "group_size", self.group_size >= 2, ">= 2 (GRPO compares samples of a group)")
+        # An empty value (`dataset=$DATA` with DATA unset) would otherwise mean the default or a missing folder.
+        for name, expected in (("model", "a model folder or a built-in name"), ("prompt_column", "a column name"),
+                               ("reward", "a registered reward or module:function"),
+                               ("dataset", "a file path or none"), ("eval_dataset", "a file path or none")):
+            value = getattr(self, name)
+            check(self, name, not (isinstance(value, str) and not value.strip()), expected)
+        from tlt.tasks import task_names
+
+        check_choice(self, "task", tuple(task_names()))
         check_choice(self, "speculative", ("off", "on", "adaptive"))
         check_choice(self, "dtype", ("float32", "bfloat16"))
         check_choice(self, "rollout_dtype", DTYPE_NAMES)

@@ -38,6 +38,8 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
 
     run_dir = Path(run_dir)
     c = config
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: is a file; a run directory is a folder (a new one, or a run's to resume)")
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
     trainer = GRPOTrainer(c, run_dir, log)
@@ -101,6 +103,7 @@ def resume_from_checkpoint(trainer, run_dir: Path, log=print) -> int:
         raise CheckpointError(f"{run_dir}: none of its {len(folders)} checkpoints can be read (newest: {problems[0]}); "
                               f"start a new run with --out, or restore the checkpoints folder")
     remove_partial_checkpoints(run_dir)
+    log(f"warning: {run_dir} has no checkpoint (none written yet, or save_every=0): the run starts again from step 0")
     return trainer.step
 
 

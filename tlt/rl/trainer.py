@@ -112,6 +112,11 @@ class GRPOTrainer:
                 raise ConfigError(f"field 'drafter.model' {drafter!r}: no such folder (expected a drafter folder holding "
                                   f"drafter_config.json, one of {sorted(BUILTIN_DRAFTERS)}, random or none)")
             path = folder / "drafter_config.json"
+            if not path.is_file():
+                policy = (folder / "config.json").is_file()
+                raise ConfigError(f"field 'drafter.model' {drafter!r}: the folder has no drafter_config.json"
+                                  f"{' (it holds a model: a policy, not a drafter)' if policy else ''}; give a drafter "
+                                  "folder (tlt train-drafter writes one), random or none")
             raw = read_json(path)
             try:
                 config = DrafterConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])
@@ -132,11 +137,13 @@ class GRPOTrainer:
 
             train = load_examples(c.dataset, prompt_column=c.prompt_column)
             if c.eval_dataset:
-                held = load_examples(c.eval_dataset, prompt_column=c.prompt_column)
+                held = load_examples(c.eval_dataset, prompt_column=c.prompt_column, name="eval_dataset")
                 if len(held) > c.eval.problems:
                     self.log(f"eval on the first {c.eval.problems} of {len(held)} examples of {c.eval_dataset} "
                              f"(eval.problems={c.eval.problems})")
-                return train, held[: c.eval.problems]
+                held = held[: c.eval.problems]
+                self._check_eval_columns(train, held)
+                return train, held
             # No eval file: hold out the dataset's last rows (at most a quarter of it), so that eval
             # accuracy is measured on prompts the policy never trains on.
             if not c.eval.every:
@@ -152,6 +159,17 @@ class GRPOTrainer:
 
         task = get_task(c.task)
         return task_examples(task, c.train_problems, c.seed, "train"), task_examples(task, c.eval.problems, c.seed, "eval")
+
+    def _check_eval_columns(self, train: list[Example], held: list[Example]) -> None:
+        """Warn when eval rows lack a column that every training row has: the reward would then be called
+        without it in eval (None, or no such keyword), and fail or score those rows differently."""
+        c = self.config
+        everywhere = set.intersection(*(set(ex.columns) for ex in train))
+        lacking = sorted(everywhere - set.intersection(*(set(ex.columns) for ex in held)))
+        if lacking:
+            where = next(ex.source for ex in held if not everywhere <= set(ex.columns))
+            self.log(f"warning: eval_dataset {c.eval_dataset} lacks the column(s) {lacking} that every row of "
+                     f"{c.dataset} has (first: {where}); the reward {c.reward!r} gets no value for them in eval")
 
     def examples_for_step(self, step: int) -> list[Example]:
         """The prompts of update `step` (0-based): consecutive slots of per-epoch shuffles of the data."""
@@ -426,16 +444,23 @@ class GRPOTrainer:
     def restore(self, saved) -> None:
         """Continue from a checkpoint read by `tlt.rl.checkpoint.read_checkpoint`. What can still fail
         (the policy's names and shapes, the online buffer's files, the tuner state's fields) is checked
-        first, so after a CheckpointError the caller can restore an older checkpoint over it."""
+        first, so after a CheckpointError the caller can restore an older checkpoint over it. Weights of
+        other names or shapes than the model's raise ConfigError instead: the run was resumed with another
+        `model`, which no older checkpoint of the run mends."""
         learning = self.rollout_backend.learning
         own = self.policy.state_dict()
         tied = self.policy.config.tie_word_embeddings
         missing = [k for k in own if k not in saved.policy and not (tied and k == "lm_head.weight")]
         unexpected = [k for k in saved.policy if k not in own]
-        wrong = [k for k in saved.policy if k in own and saved.policy[k].shape != own[k].shape]
+        wrong = [f"{k} {tuple(saved.policy[k].shape)} vs {tuple(own[k].shape)}" for k in saved.policy
+                 if k in own and saved.policy[k].shape != own[k].shape]
         if missing or unexpected or wrong:
-            raise CheckpointError(f"{saved.folder / 'policy'}: does not match the model {self.config.model}: "
-                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}, other shape {wrong[:5]}")
+            found = "; ".join(f"{what} {names[:3]}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                              for what, names in (("missing", missing), ("unexpected", unexpected),
+                                                  ("other shape (saved vs model)", wrong)) if names)
+            raise ConfigError(f"{saved.folder / 'policy'}: the run's weights do not fit model={self.config.model} "
+                              f"({found}); resume with the model the run was started with, or start a new run "
+                              "with --out")
         if saved.buffer is not None:
             if learning is None:
                 self.log(f"{saved.buffer}: the run is resumed without drafter training; its online buffer is not loaded")
