@@ -37,8 +37,8 @@ its values in the usual layout.
 Where tlt's kernels run without AMX, such a cache also keeps its keys `packed_keys`: each 32 slots of a row's kv
 head are one weight group of the kernels' products (dimension pair p of slot s at pair (s // 32, p, s % 32) of
 the view `key_slots`), so the AVX-512 attention multiplies the queries by the keys as they lie instead of packing
-every cached key each call (bench policy, 32 rows x 800 cached tokens: 0.93x the attention's time at one token a
-row, 0.89x at nine). AMX tiles read natural keys as they lie, so there the keys keep the usual layout. The
+every cached key each call (bench policy, 32 rows x 800 cached tokens: 0.92-0.93x the attention's time; heads of
+128 dimensions, four queries a kv head, one token a row: 0.71-0.74x). AMX tiles read natural keys as they lie, so there the keys keep the usual layout. The
 capacity, a multiple of `block`, is then a multiple of 32 too, so whatever copies whole ranges of slots from 0
 (growth, row moves, joins) copies whole groups, and single slots go through `key_slots`.
 The shortest and longest row lengths are kept as Python ints next to `lengths`, read once per change

@@ -441,10 +441,10 @@ TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, int64_t pai
 // Packed keys (a bf16 cache's keys kept as pack_keys would pack them, tlt/model/kv_cache.py `packed_keys`): each
 // GROUP slots of a [C, D] key plane (C a multiple of GROUP) are a weight group of D / 2 pairs, pair p of slot s the
 // 32-bit word key_word(s, p, D / 2) of the plane, so the attention's scores read the keys as they lie instead of
-// packing every cached key each call (bench policy through twelve layers, `kernel_ab.py --old-keys natural`: 0.93x
-// the attention's time at 32 rows x 800 cached tokens and one token a row, 0.89x at nine; 16 x 1,500: 0.93x and
-// 0.88x). Ahead has fetched the task's keys and values into L2 already: prefetching the next group of keys or this
-// group's values as the scores run gains nothing more.
+// packing every cached key each call (twelve layers, `kernel_ab.py --old-keys natural`: bench policy, 0.92-0.93x the
+// attention's time at 32 rows x 800 cached tokens, one or nine tokens a row, 0.86-0.88x at 16 x 1,500; 32 query heads
+// over 8 kv heads of 128, one token a row, 0.71-0.74x). Ahead has fetched the task's keys and values into L2 already:
+// prefetching the next group of keys or this group's values as the scores run gains nothing more.
 inline int64_t key_word(int64_t s, int64_t p, int64_t pairs) { return (s / GROUP * pairs + p) * GROUP + s % GROUP; }
 
 // Sixteen dimensions of two neighbouring slots' values in the paired layout (below) as float32: the even slot's
