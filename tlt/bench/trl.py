@@ -51,11 +51,13 @@ def run_system(system: str, args, folder: Path, tokenizer, dataset, out: Path) -
 
     transformers.set_seed(args.seed)
     policy = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    # The engine runs where the trainer does, as TRL's own generation does.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     rollout = None
     if system == "trl+tlt_off":
-        rollout = make_rollout_func(folder, speculative="off", seed=args.seed)
+        rollout = make_rollout_func(folder, speculative="off", seed=args.seed, device=device)
     elif system == "trl+tlt":
-        rollout = make_rollout_func(folder, speculative="adaptive", drafter="default", seed=args.seed)
+        rollout = make_rollout_func(folder, speculative="adaptive", drafter="default", seed=args.seed, device=device)
     times: list[float] = []
 
     class StepTimer(transformers.TrainerCallback):
@@ -66,7 +68,7 @@ def run_system(system: str, args, folder: Path, tokenizer, dataset, out: Path) -
             times.append(time.perf_counter() - self.start)
 
     config = trl.GRPOConfig(
-        output_dir=str(out / system), use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",
+        output_dir=str(out / system), use_cpu=device == "cpu", bf16=False, report_to="none",
         max_steps=args.steps, per_device_train_batch_size=args.prompts * args.samples, num_generations=args.samples,
         max_completion_length=args.max_tokens, temperature=1.0, learning_rate=args.lr, beta=0.0, logging_steps=1,
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,

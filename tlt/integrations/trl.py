@@ -2,26 +2,37 @@
 
 The contract (TRL 1.16, `GRPOTrainer._generate`): the trainer calls `rollout_func(prompts, trainer)`
 with this process's slice of the generation batch, in which its sampler already repeats every prompt
-`num_generations` times in a row; prompts are strings or lists of chat messages, untemplated. It
-expects a dict of three lists aligned with `prompts`, one completion per entry: `prompt_ids`,
-`completion_ids` and `logprobs` (one float per completion token); any further key goes to the reward
-functions. TRL then decodes, scores, computes advantages per group and updates the policy.
+`num_generations` times in a row (`num_generations_eval` in evaluation); prompts are strings or lists
+of chat messages, untemplated. It expects a dict of three lists aligned with `prompts`, one completion
+per entry: `prompt_ids`, `completion_ids` and `logprobs` (one float per completion token, under the
+distribution the token was drawn from, as vLLM's processed logprobs); any further key goes to the
+reward functions. TRL then decodes, scores, computes advantages per group and updates the policy.
 
 One call is
     sync -> render -> generate -> flatten
-  - sync: when the trainer's optimizer step moved on, its current policy (`trainer.model`, unwrapped)
-    is copied into the engine's model with version = `trainer.state.global_step`, and the rollout
-    asks the engine for exactly that version: every completion comes from the weights being trained
-    (on-policy), and speculation leaves its distribution unchanged (lossless). tlt's parameter names
-    are transformers' own, so the state dict needs no name map;
+  - sync: when the optimizer has stepped since the engine's last load (`trainer.state.global_step`
+    moved), or the policy (`trainer.model`, unwrapped) or the run (`trainer.state`: a second `train()`,
+    a resumed checkpoint, another trainer) is another object, the policy is copied into the engine's
+    model with version = the global step, and the rollout asks the engine for exactly that version:
+    every completion comes from the weights being trained (on-policy), whether TRL generates once per
+    optimizer step, once per `steps_per_generation` or reuses a generation `num_iterations` times;
+    speculation leaves the distribution unchanged (lossless). The step, not the tensors, tells a
+    change, as fused optimizers update weights without bumping their in-place version counters.
+    tlt's parameter names are transformers' own, so the state dict needs no name map;
   - render: text is encoded as TRL encodes it, chat messages go through the trainer's tokenizer's
     chat template with `trainer.chat_template_kwargs` (tlt/chat.py);
   - generate: each run of identical consecutive prompts becomes one request with n = its length, so
     the n samples share one prefill; sampling follows `trainer.args` (temperature, top_p, top_k,
-    max_completion_length) and stops on `trainer.eos_token_ids`, the ids TRL counts as finished;
+    max_completion_length) and stops on `trainer.eos_token_ids` and nothing else, the ids TRL counts
+    as finished. Request seeds come from a stream seeded by the engine's seed (else `args.seed`) and
+    the process index, so a run is reproducible and the processes of one run, which may each hold
+    part of a prompt's group, draw different samples (as TRL's `set_seed(device_specific=True)`);
   - flatten: the samples of each request, in order, give one entry per prompt of the slice.
-Sampling settings tlt does not implement (min_p, repetition_penalty, generation_kwargs) are refused
-rather than ignored, since ignoring them would train on a distribution the user did not ask for.
+What tlt cannot honour is refused with the setting named rather than ignored, since ignoring it would
+train on a distribution the user did not ask for: sampling settings tlt does not implement (min_p,
+repetition_penalty, generation_kwargs), tools (TRL would continue tool turns with its own generation
+from prompts tlt rendered without the tools), vLLM (its weight syncs would be wasted and its
+settings unused) and PEFT adapters (the engine holds full weights).
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import random
+import weakref
 
 from tlt.chat import render_prompt
 from tlt.errors import ConfigError
@@ -40,16 +53,20 @@ class TrlRollout:
 
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
-        self._synced_step: int | None = None
+        # What the engine holds: (the policy module, the TrainerState of the train() call, its global
+        # step) when it was loaded, the first two weakly so that a finished run's model can be freed.
+        self._loaded: tuple[weakref.ref, weakref.ref, int] | None = None
+        self._seeds: random.Random | None = None
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         params = self.sampling_params(trainer)
-        self.sync(trainer)
+        version = self.sync(trainer)
         runs = [(prompt, len(list(same))) for prompt, same in itertools.groupby(prompts)]
         options = getattr(trainer, "chat_template_kwargs", None) or {}
         ids = [render_prompt(trainer.processing_class, prompt, **options) for prompt, _ in runs]
-        outputs = self.engine.generate(ids, [dataclasses.replace(params, n=n) for _, n in runs], use_tqdm=False,
-                                       weights_version=self._synced_step)
+        seeds = self._request_seeds(trainer)
+        requests = [dataclasses.replace(params, n=n, seed=seeds.getrandbits(63)) for _, n in runs]
+        outputs = self.engine.generate(ids, requests, use_tqdm=False, weights_version=version)
         samples = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
         return {
             "prompt_ids": [list(p) for p, _ in samples],
@@ -57,34 +74,57 @@ class TrlRollout:
             "logprobs": [list(c.logprobs) for _, c in samples],
         }
 
-    def sync(self, trainer) -> None:
-        """Load the trainer's current policy into the engine unless it already holds this step's."""
-        step = int(trainer.state.global_step)
-        if step == self._synced_step:
-            return
+    def sync(self, trainer) -> int:
+        """Load the trainer's current policy into the engine unless the engine already holds it, and
+        return the version it holds (the trainer's global step)."""
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        self.engine.load_weights(policy.state_dict(), step)
-        self._synced_step = step
+        if hasattr(policy, "peft_config"):
+            raise ConfigError("the trainer trains a PEFT adapter (peft_config), and tlt's engine holds full "
+                              "weights; train the full model, or merge the adapter before rolling out with tlt")
+        run, step = trainer.state, int(trainer.state.global_step)
+        held = self._loaded
+        if held is None or held[0]() is not policy or held[1]() is not run or held[2] != step:
+            self.engine.load_weights(policy.state_dict(), step)
+            self._loaded = (weakref.ref(policy), weakref.ref(run), step)
+        return step
 
     def sampling_params(self, trainer) -> SamplingParams:
+        """The trainer's sampling settings as tlt's; a setting tlt cannot honour is a ConfigError naming it."""
         args = trainer.args
-        unsupported = {"min_p": args.min_p is not None, "repetition_penalty": args.repetition_penalty != 1.0,
-                       "generation_kwargs": bool(args.generation_kwargs)}
+        unsupported = {
+            "min_p": args.min_p not in (None, 0.0),
+            "repetition_penalty": args.repetition_penalty != 1.0,
+            f"generation_kwargs ({sorted(args.generation_kwargs or {})})": bool(args.generation_kwargs),
+            "use_vllm": args.use_vllm,
+            "tools (or environment_factory methods)": bool(getattr(trainer, "tools", None)),
+        }
         refused = [name for name, set_ in unsupported.items() if set_]
         if refused:
-            raise ConfigError(f"GRPOConfig sets {refused}, which tlt's engine does not implement; "
-                              "unset them to roll out with tlt")
-        return SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or -1,
-            max_tokens=args.max_completion_length or self.engine.context_length,
-            stop_token_ids=tuple(trainer.eos_token_ids),
-        )
+            raise ConfigError(f"GRPOTrainer sets {', '.join(refused)}, which tlt's rollout_func does not "
+                              "honour; unset them to roll out with tlt")
+        limit = args.max_completion_length
+        try:
+            return SamplingParams(
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or -1,
+                max_tokens=self.engine.context_length if limit is None else limit,
+                stop_token_ids=tuple(trainer.eos_token_ids), ignore_eos=True,
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"GRPOConfig's sampling settings as tlt's (max_tokens is max_completion_length, "
+                              f"stop_token_ids the trainer's eos_token_ids): {exc}") from None
+
+    def _request_seeds(self, trainer) -> random.Random:
+        if self._seeds is None:
+            seed = self.engine.config.seed if self.engine.config.seed is not None else trainer.args.seed
+            self._seeds = random.Random(f"{seed}:{trainer.accelerator.process_index}")
+        return self._seeds
 
 
 def make_rollout_func(model_path_or_engine: str | os.PathLike | RolloutEngine, **engine_options) -> TrlRollout:
     """A rollout_func for TRL's GRPOTrainer. Given a model folder (the one the trainer trains), build
     the engine from it: `engine_options` are EngineConfig fields (speculative="on",
-    strategy="ngram-d4", ...) plus `dtype` and `device` for `load_model`. Given an engine, use it."""
+    strategy="ngram-d4", seed, ...) plus `dtype` and `device` for `load_model` (give the trainer's
+    device, e.g. device="cuda"). Given an engine, use it."""
     if isinstance(model_path_or_engine, RolloutEngine):
         if engine_options:
             raise ConfigError(f"engine options {sorted(engine_options)} apply only when a model folder is given, "
