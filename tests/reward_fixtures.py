@@ -50,3 +50,13 @@ def scaled_words(prompts, completions, scale=None, **_):
 def shortest_first(entries):
     """A drafter-buffer sampling policy for tests: weight 1 / length (the opposite of the default)."""
     return [1.0 / max(e.pairs, 1) for e in entries]
+
+
+def weighted_answer(prompts, completions, answer, weight, **_):
+    """`weight` (a required dataset column) where the completion holds `answer`, else 0."""
+    return [w * float(a in c) for c, a, w in zip(completions, answer, weight)]
+
+
+def answer_only(prompts, completions, answer):
+    """1.0 where the completion holds `answer`; no **kwargs, so any other column fails the call."""
+    return [float(a in c) for c, a in zip(completions, answer)]

@@ -1,7 +1,9 @@
 """Bad input a user brings to a run beyond one file or one value: an eval file whose columns differ
-from the training file's, a resume with another model or with no checkpoint, a checkpoint whose save
-fails half-way (the previous one must survive whole), a torn config.json under `tlt report`, a file
-given as the run directory and a policy folder given as the drafter."""
+from the training file's, a reward whose parameters the dataset's columns do not fit, a timeout that
+cannot apply, a resume with another model or with no checkpoint, a checkpoint whose save fails
+half-way (the previous one must survive whole), a torn config.json under `tlt report`, a file given as
+the run directory or as its checkpoints folder, an --out that holds checkpoints, and a policy folder
+given as the drafter."""
 
 import json
 
@@ -9,7 +11,7 @@ import pytest
 
 import tlt.rl.checkpoint
 from tlt.cli import main
-from tlt.errors import ConfigError
+from tlt.errors import CheckpointError, ConfigError
 from tlt.rl import GRPOTrainer
 from tlt.rl.checkpoint import read_checkpoint
 from tlt.rl.run import train
@@ -90,8 +92,11 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(model_dir, tmp
         write_bytes(path, data)
 
     monkeypatch.setattr(tlt.rl.checkpoint, "atomic_write_bytes", disk_full)
-    with pytest.raises(OSError, match="No space left on device"):
+    with pytest.raises(CheckpointError) as info:  # regression: an OSError traceback naming no checkpoint
         train(config, run, log=lambda *_: None)
+    assert str(info.value) == (f"{run / 'checkpoints' / 'step_00000002'}: cannot save the checkpoint of step 2 "
+                               "([Errno 28] No space left on device); the previous checkpoint, step_00000001, is "
+                               f"kept; free space (or fix the disk) and continue with tlt train --resume {run}")
     monkeypatch.setattr(tlt.rl.checkpoint, "atomic_write_bytes", write_bytes)
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest.json", "step_00000001"]
@@ -133,3 +138,73 @@ def test_a_model_folder_given_as_the_drafter_is_named_as_such(model_dir):
     with pytest.raises(ConfigError, match=r"^field 'drafter.model' .*: the folder has no drafter_config.json \(it "
                                           r"holds a model: a policy, not a drafter\); give a drafter folder"):
         GRPOTrainer(config, log=lambda *_: None)
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Make loading weights fail the test: what is refused at start must be refused before they load."""
+    import tlt.model
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("weights loaded before the check")
+
+    monkeypatch.setattr(tlt.model, "load_model", load_model)
+
+
+def test_a_checkpoints_file_in_the_run_directory_is_refused_at_start(model_dir, tmp_path, no_weights):
+    """Regression: a file named `checkpoints` ended the run at its first save, a step in, with a
+    FileExistsError traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("notes\n")
+    for resume, advice in ((False, ", or pick another --out"), (True, "")):
+        with pytest.raises(ConfigError) as info:
+            train(tiny_config(model_dir), run, resume=resume, log=lambda *_: None)
+        assert str(info.value) == (f"{run / 'checkpoints'}: is a file; a run keeps its checkpoints in a folder of "
+                                   f"that name (move or rename the file{advice})")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+
+
+def test_a_new_run_in_a_directory_holding_checkpoints_is_refused(model_dir, tmp_path, no_weights):
+    """Regression: only metrics.jsonl marked a run, so a directory holding checkpoints but no metrics
+    took a new run whose step folders overwrote the old ones."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run / "checkpoints" / "latest.json").write_text('{"step": 1, "dir": "step_00000001"}\n')
+    with pytest.raises(ConfigError) as info:
+        train(tiny_config(model_dir), run, log=lambda *_: None)
+    assert str(info.value) == (f"{run} already holds checkpoints ({run / 'checkpoints'}); continue that run with "
+                               f"--resume {run} or pick another --out")
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "latest.json", "step_00000001"]
+
+
+@pytest.mark.parametrize("reward, message", [
+    ("reward_fixtures:weighted_answer", "reward 'reward_fixtures:weighted_answer' needs the column(s) ['weight'] "
+                                        "(parameters without a default), which no row of {file} has; its columns "
+                                        "are ['answer', 'level']"),
+    ("arithmetic", "reward 'arithmetic' needs the column(s) ['answer']"),
+    ("reward_fixtures:answer_only", "reward 'reward_fixtures:answer_only' has no parameter for the column(s) "
+                                    "['level'] of {file}, and every column is passed by keyword; add **kwargs"),
+])
+def test_a_reward_the_columns_do_not_fit_is_refused_at_start(model_dir, tmp_path, no_weights, reward, message):
+    """Regression: a reward's required parameter that no row had (or a column a reward without **kwargs
+    cannot take) failed every row from the first step, until reward_failure_steps stopped the run."""
+    rows = [{"prompt": f"Q:{i}+1\nA:", "answer": str(i + 1), "level": 1} for i in range(8)]
+    if reward == "arithmetic":
+        rows = [{"prompt": r["prompt"], "solution": r["answer"]} for r in rows]
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    with pytest.raises(ConfigError) as info:
+        GRPOTrainer(tiny_config(model_dir, dataset=data, reward=reward), log=lambda *_: None)
+    assert message.format(file=data) in str(info.value)
+
+
+def test_a_reward_timeout_without_reward_workers_is_warned_about_once(model_dir, tmp_path):
+    """Regression: reward_timeout_s did nothing with reward_workers=0 (in-process calls cannot be
+    stopped), without a word."""
+    for timeout, expected in ((30.0, []), (5.0, [
+            "warning: reward_timeout_s=5 has no effect with reward_workers=0: the reward runs in the training "
+            "process, where a call that hangs cannot be stopped; set reward_workers=1 or more to limit each call to "
+            "reward_timeout_s seconds"])):
+        lines = []
+        GRPOTrainer(tiny_config(model_dir, reward_timeout_s=timeout), log=lines.append).close()
+        assert [x for x in lines if "reward_timeout_s" in x] == expected

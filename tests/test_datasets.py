@@ -179,3 +179,19 @@ def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "a"}).encode() + b"\n" + b'{"prompt": "b"}\n')
     assert [e.prompt for e in load_examples(path)] == ["a", "b"]
+
+
+def test_parquet_maps_reach_the_reward_as_dicts_and_a_repeated_key_is_named(tmp_path):
+    """Regression: a Parquet map column arrived as a list of (key, value) tuples, not a dict."""
+    path = tmp_path / "train.parquet"
+    weights = pa.map_(pa.string(), pa.float64())
+    table = pa.table({"prompt": ["a", "b", "c"],
+                      "weights": pa.array([[("x", 1.0), ("y", 2.0)], [], [("x", 1.0), ("x", 3.0)]], type=weights)})
+    pq.write_table(table.slice(0, 2), path)
+    assert [e.columns["weights"] for e in load_examples(path)] == [{"x": 1.0, "y": 2.0}, {}]
+
+    pq.write_table(table, path)
+    text = error_text(path=path)
+    assert f"{path} row 2, column 'weights': a map holds the key 'x' twice" in text
+    with pytest.warns(UserWarning, match="skipped 1"):
+        assert [e.prompt for e in load_examples(path, on_bad_row="skip")] == ["a", "b"]

@@ -143,9 +143,30 @@ def test_mistyped_flags_and_token_ids_are_refused(tmp_path, changes, message):
         tlt.load_model(folder)
 
 
+@pytest.mark.parametrize("changes", [
+    dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": None,
+                          "original_max_position_embeddings": 64}),
+    dict(rope_scaling={"type": "yarn", "factor": None, "original_max_position_embeddings": 32}),
+])
+def test_a_null_yarn_factor_is_derived_as_in_transformers(tmp_path, changes):
+    """Regression: `"factor": null` was refused ("needs field 'factor'"); transformers derives it as
+    max_position_embeddings / original_max_position_embeddings."""
+    from transformers import AutoModelForCausalLM
+
+    _, folder = save(tmp_path, "llama")
+    edit_config(folder, **changes)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = tlt.load_config(folder)
+    assert config.rope_scaling["factor"] == 256 / config.rope_scaling["original_max_position_embeddings"]
+    assert_same_logits(hf, tlt.load_model(folder), length=80)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
+        (dict(rope_scaling={"type": "yarn", "original_max_position_embeddings": 64}),
+         "rope scaling of type 'yarn' needs field 'factor' in 'rope_scaling' (or \"factor\": null, which transformers "
+         "reads as max_position_embeddings / original_max_position_embeddings)"),
         (dict(rope_scaling={"type": "dynamic", "factor": 2.0}),
          "rope_type 'dynamic' is not supported (field 'rope_scaling'); expected one of default, linear, llama3, yarn"),
         (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}),

@@ -59,6 +59,27 @@ def test_in_process_runner():
     assert all(e.startswith(f"{s}:") and "returned 2 values for 1 rows" in e for e, s in zip(result.errors, SOURCES))
 
 
+def test_a_reward_too_large_for_float32_fails_its_row_naming_the_value():
+    """Regression: 1e39 passed the finite check, became inf in the trainer's float32 rewards tensor, and
+    the run stopped later with "the loss is nan" without naming the reward."""
+    import numpy as np
+    import torch
+
+    returned = [3e38, 1e39, -1e300, 10**400, torch.tensor(1e39, dtype=torch.float64), np.float32(2.0)]
+
+    def fixed(prompts, completions, **_):
+        return returned
+
+    n = len(returned)
+    result = RewardRunner(fixed).score(["p"] * n, ["c"] * n, {}, [f"data.jsonl:{i + 1}" for i in range(n)])
+    assert result.rewards == [3e38, 0.0, 0.0, 0.0, 0.0, 2.0]
+    assert result.errors[0] is None and result.errors[5] is None
+    for i, shown in ((1, "1e+39"), (2, "-1e+300"), (3, "1000000000"), (4, "tensor(1.0000e+39")):
+        assert result.errors[i].startswith(f"data.jsonl:{i + 1}: reward 'test_a_reward_too_large_for_float32_")
+        assert f"returned {shown}" in result.errors[i] and "too large for the float32" in result.errors[i]
+    assert torch.tensor(result.rewards).isfinite().all()
+
+
 def test_runner_passes_reward_kwargs_and_raises_config_errors():
     runner = RewardRunner("arithmetic", format_weight=0.5)
     assert runner.score(["p", "p"], ["7", "01+6=07;#07"], {"answer": ["08", "08"]}).rewards == [0.0, 0.5]

@@ -5,7 +5,8 @@ Two layouts are read as they are found in the wild:
 - verl's: `prompt` is a list of chat messages, `reward_model` a record holding `ground_truth` (and
   perhaps `style`), plus `data_source` and often `extra_info`. The reference answer becomes the column
   `ground_truth`; every other top-level column (`reward_model` itself included) passes through, nested
-  records as dicts, so a reward can read `extra_info["split"]` or `reward_model["style"]`.
+  records and Parquet maps as dicts, so a reward can read `extra_info["split"]` or
+  `reward_model["style"]`.
 - TRL's: a `prompt` column (text or chat messages); every other column passes to the reward as is.
 
 `format="auto"` picks verl's layout when the first row has a `reward_model` column; a later row of
@@ -20,15 +21,17 @@ Bad input. Problems with the file as a whole (missing file, a folder, unknown ex
 Parquet, no prompt column in a Parquet schema, no examples at all) always raise `ConfigError`, naming
 the setting that gave the path (`name`). A malformed row (bad JSON, not an object, missing prompt, a
 prompt that is neither text nor messages, a verl row with no ground truth, a row of the other layout,
-a renamed column it lacks) raises `ConfigError` naming the file, line or row and the column with
-`on_bad_row="error"`, the default, because a silently shrunk dataset skews a run; with
-`on_bad_row="skip"` such rows are left out and one warning names how many and the first few. A UTF-8
-byte-order mark at the start of a JSONL file (Windows editors write one) is read past.
+a renamed column it lacks, a Parquet map with a repeated key) raises `ConfigError` naming the file,
+line or row and the column with `on_bad_row="error"`, the default, because a silently shrunk dataset
+skews a run; with `on_bad_row="skip"` such rows are left out and one warning names how many and the
+first few. A UTF-8 byte-order mark at the start of a JSONL file (Windows editors write one) is read
+past.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -130,9 +133,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | _BadRow]]:
             yield source, row
 
 
-def _parquet_rows(path: Path, prompt_column: str, name: str) -> Iterator[tuple[str, dict]]:
+def _parquet_rows(path: Path, prompt_column: str, name: str) -> Iterator[tuple[str, dict | _BadRow]]:
     """(source, row) per Parquet row, read batch by batch so `limit` does not read the whole file;
-    nested structs and lists arrive as dicts and lists."""
+    nested structs and maps arrive as dicts, lists as lists. A row with a map no dict can hold (a
+    repeated key, record keys) comes as a `_BadRow`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -152,9 +156,32 @@ def _parquet_rows(path: Path, prompt_column: str, name: str) -> Iterator[tuple[s
             raise ConfigError(f"{name} {path}: cannot read its rows from row {index} on ({exc})") from exc
         if batch is None:
             return
-        for row in batch.to_pylist():
+        try:
+            rows = batch.to_pylist(maps_as_pydicts="strict")
+        except (KeyError, TypeError):
+            rows = [_parquet_row(batch, i, f"{path} row {index + i}") for i in range(batch.num_rows)]
+        for row in rows:
             yield f"{path}:{index}", row
             index += 1
+
+
+def _parquet_row(batch, i: int, where: str) -> dict | _BadRow:
+    """Row `i` of a batch whose maps did not all convert to dicts, or a `_BadRow` naming the column
+    and why: a dict holds each key once and only hashable keys, so a map with a repeated key or
+    record keys is refused rather than silently losing entries."""
+    row = {}
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            row[name] = column.slice(i, 1).to_pylist(maps_as_pydicts="strict")[0]
+        except KeyError as exc:
+            found = re.search(r"duplicate key was (.+)\)", str(exc.args[0]))
+            key = f"the key {found.group(1)}" if found else "a key"
+            return _BadRow(f"{where}, column {name!r}: a map holds {key} twice; a map reaches the reward as a "
+                           "dict, which holds each key once, so give each key once")
+        except TypeError as exc:
+            return _BadRow(f"{where}, column {name!r}: a map reaches the reward as a dict, whose keys must be "
+                           f"text or numbers ({exc})")
+    return row
 
 
 def _example(row: dict, source: str, layout: str, prompt_column: str, renames: dict[str, str]) -> Example:

@@ -15,7 +15,8 @@ than SiLU, sliding-window attention, a rope type tlt lacks) is refused by name r
 RoPE parameters are accepted in both the transformers 5 layout (`rope_parameters` holding `rope_theta`
 and `rope_type`) and the older one (`rope_theta` plus `rope_scaling`), and always written in the new
 one; a non-empty `rope_scaling` replaces `rope_parameters` whole, its `rope_theta` (else the top-level
-one, else 10000) included, as in transformers.
+one, else 10000) included, as in transformers. A yarn `factor` of null is, as there,
+max_position_embeddings / original_max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -183,6 +184,11 @@ class ModelConfig:
             scaling = {k: v for k, v in rope.items() if k != "type"}
             scaling["rope_type"] = rope_type
             scaling.setdefault("original_max_position_embeddings", max_positions)
+            original = scaling["original_max_position_embeddings"]
+            if (rope_type == "yarn" and "factor" in scaling and scaling["factor"] is None
+                    and _is_positive_int(max_positions) and _is_positive_int(original)):
+                # transformers reads a null yarn factor as the ratio of the context lengths
+                scaling["factor"] = max_positions / original
         qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = not qwen2 and _flag(raw, "attention_bias", source)  # Qwen2: fixed, see the table above
         mlp_bias = arch == "LlamaForCausalLM" and _flag(raw, "mlp_bias", source)

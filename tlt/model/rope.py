@@ -21,7 +21,7 @@ from tlt.errors import ConfigError
 _REQUIRED_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings", "factor"),
 }
 
 
@@ -35,7 +35,10 @@ def check_rope_scaling(scaling: dict[str, Any], field: str = "rope_scaling") -> 
     for key in _REQUIRED_KEYS[kind]:
         value = scaling.get(key)
         if value is None:
-            raise ConfigError(f"rope scaling of type {kind!r} needs field {key!r} in {field!r}")
+            derivable = kind == "yarn" and key == "factor" and key not in scaling
+            hint = (' (or "factor": null, which transformers reads as max_position_embeddings / '
+                    "original_max_position_embeddings)" if derivable else "")
+            raise ConfigError(f"rope scaling of type {kind!r} needs field {key!r} in {field!r}{hint}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"field {key!r} of {field!r} must be a positive number, got {value!r}")
 

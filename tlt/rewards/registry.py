@@ -36,6 +36,41 @@ def get_reward(spec: str | RewardFn) -> RewardFn:
     return import_callable(spec, "reward")
 
 
+def check_columns(fn: RewardFn, name: str, columns: set[str], where: str) -> None:
+    """Refuse, before any rollout, a reward that no call with these `columns` could run: a parameter
+    without a default that is not a column (a required keyword), or, for a function without
+    `**kwargs`, a column it has no parameter for (every column is passed by keyword). Either would
+    fail every row from the first step. `where` names the rows' file or task in the error."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature to read (a builtin): nothing to check
+        return
+    try:
+        signature.bind(None, None, **dict.fromkeys(columns))
+        return
+    except TypeError as exc:
+        problem = str(exc)
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    named = [p for p in params if p not in positional and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    shown = sorted(columns)
+    missing = [p.name for p in named if p.default is p.empty and p.name not in columns]
+    if missing:
+        raise ConfigError(f"reward {name!r} needs the column(s) {missing} (parameters without a default), which "
+                          f"no row of {where} has; its columns are {shown}: add the column, or give the "
+                          "parameter a default")
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        extra = sorted(columns - {p.name for p in named})
+        if extra:
+            raise ConfigError(f"reward {name!r} has no parameter for the column(s) {extra} of {where}, and every "
+                              f"column is passed by keyword; add **kwargs to its signature (TRL's: "
+                              "f(prompts, completions, **kwargs))")
+    raise ConfigError(f"reward {name!r} cannot be called as f(prompts, completions, **columns) with the columns "
+                      f"{shown} of {where} ({problem})")
+
+
 @register("arithmetic")
 def arithmetic_reward(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
                       format_weight: float = 0.0, **_: object) -> list[float]:

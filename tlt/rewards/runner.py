@@ -5,10 +5,11 @@ The batch is cut into calls of `chunk_size` rows (by default one call per worker
 in-process); each call gets TRL's arguments, `f(prompts, completions, **columns, **reward_kwargs)`.
 A call fails when it raises, returns something that is not a list of one value per row, or its worker
 dies; a failed call of several rows is retried row by row, so only the rows that fail alone get 0.0.
-A value that is not a finite number fails its row only. A call still running after `timeout_s` gets
-0.0 for all its rows without a retry (a retry could hang as long again): its worker is killed and a
-fresh one started. Every zero from a failure comes with an error string in `RewardResult.errors`
-that names the row by its source and says what went wrong; the others are None.
+A value that is not a finite number, or one too large for float32, fails its row only. A call still
+running after `timeout_s` gets 0.0 for all its rows without a retry (a retry could hang as long
+again): its worker is killed and a fresh one started. Every zero from a failure comes with an error
+string in `RewardResult.errors` that names the row by its source and says what went wrong; the others
+are None.
 
 `workers=0` runs the function in this process: no start-up cost and any callable works, but nothing
 can stop a call that hangs, so there is no timeout. `workers >= 1` runs it in worker processes made
@@ -37,11 +38,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import NamedTuple, Sequence
 
+import numpy as np
+
 from tlt.errors import ConfigError, TrainingError
 from tlt.rewards.registry import RewardFn, get_reward
 
 _START_TIMEOUT_S = 300.0  # a spawned worker imports torch via tlt; a slow disk can take a while
 _STOP_TIMEOUT_S = 5.0
+_REWARD_MAX = float(np.finfo(np.float32).max)  # rewards become a float32 tensor in the trainer
 
 
 @dataclass
@@ -91,9 +95,8 @@ def _invoke(fn: RewardFn, kwargs: dict, prompts: list, completions: list, column
         return _failed(n, f"returned {type(returned).__name__}, not a list of {n} values")
     if len(values) != n:
         return _failed(n, f"returned {len(values)} values for {n} rows")
-    rewards = [_finite(v) for v in values]
-    return _Outcome([0.0 if r is None else r for r in rewards],
-                    [None if r is not None else f"returned {v!r}, not a finite number" for r, v in zip(rewards, values)])
+    checked = [_reward_value(v) for v in values]
+    return _Outcome([0.0 if why else r for r, why in checked], [why for _, why in checked])
 
 
 def _short(value: object, width: int = 60) -> str:
@@ -101,14 +104,27 @@ def _short(value: object, width: int = 60) -> str:
     return text if len(text) <= width else text[:width] + "..."
 
 
-def _finite(value: object) -> float | None:
-    """A returned value as a float, or None if it is not a finite real number."""
+def _reward_value(value: object) -> tuple[float, str | None]:
+    """(a returned value as a float, None), or (0.0, why it is no reward): not a finite real number,
+    or one beyond float32's range, which the trainer's float32 rewards tensor would turn into inf."""
+    returned = value
     if hasattr(value, "item") and not isinstance(value, numbers.Real):  # a 0-d torch tensor or numpy array
         try:
             value = value.item()
         except (ValueError, RuntimeError):
-            return None
-    return float(value) if isinstance(value, numbers.Real) and math.isfinite(value) else None
+            pass
+    if not isinstance(value, numbers.Real):
+        return 0.0, f"returned {_short(returned)}, not a finite number"
+    try:
+        number = float(value)
+    except OverflowError:  # an int or Fraction past float64's range
+        number = math.inf if value > 0 else -math.inf
+    if math.isnan(number) or (math.isinf(number) and not isinstance(value, numbers.Rational)):
+        return 0.0, f"returned {_short(returned)}, not a finite number"
+    if abs(number) > _REWARD_MAX:
+        return 0.0, (f"returned {_short(returned)}, too large for the float32 tensor rewards are held in "
+                     f"(at most {_REWARD_MAX:.4g} in size)")
+    return number, None
 
 
 def _serve(conn: Connection, spec: str | RewardFn, kwargs: dict) -> None:

@@ -15,9 +15,11 @@ Layout of a run directory:
     report/                  `tlt report`: figures and report.md
 A checkpoint is written into a hidden temporary folder and renamed into place, then `latest.json` is
 replaced atomically: a crash at any moment leaves the previous checkpoint as the newest complete one.
-Older checkpoints beyond `keep` are removed only after the new one is in place. Resume reads the
-newest checkpoint folder whole before it restores anything, and falls back to the previous one when a
-file of it cannot be read (a disk error, a copy cut short).
+Older checkpoints beyond `keep` are removed only after the new one is in place. A save the disk refuses
+(an OSError: full, over quota, read-only) raises CheckpointError naming the folder and the OS error,
+with the previous checkpoint left as it was. Resume reads the newest checkpoint folder whole before it
+restores anything, and falls back to the previous one when a file of it cannot be read (a disk error,
+a copy cut short).
 """
 
 from __future__ import annotations
@@ -65,23 +67,36 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: TrainerS
     (`drafter`, a spot.checkpoint.StateSnapshot) and the online buffer; the `keep` newest stay."""
     root = run_dir / "checkpoints"
     final = checkpoint_dir(run_dir, step)
-    with atomic_folder(final) as tmp:
-        policy.save_pretrained(tmp / "policy")
-        tokenizer.save_pretrained(tmp / "policy")
-        buffer = io.BytesIO()
-        torch.save(state.as_dict(), buffer)
-        atomic_write_bytes(tmp / "trainer_state.pt", buffer.getvalue())
-        if tuners is not None:
-            atomic_write_json(tmp / "tuner.json", {"tuners": tuners})
-        if drafter is not None:
-            drafter.save(tmp / "drafter")
-        if online_buffer is not None:
-            online_buffer.save(tmp / "drafter_buffer")
-    atomic_write_json(root / "latest.json", {"step": step, "dir": final.name})
+    try:
+        with atomic_folder(final) as tmp:
+            policy.save_pretrained(tmp / "policy")
+            tokenizer.save_pretrained(tmp / "policy")
+            buffer = io.BytesIO()
+            torch.save(state.as_dict(), buffer)
+            atomic_write_bytes(tmp / "trainer_state.pt", buffer.getvalue())
+            if tuners is not None:
+                atomic_write_json(tmp / "tuner.json", {"tuners": tuners})
+            if drafter is not None:
+                drafter.save(tmp / "drafter")
+            if online_buffer is not None:
+                online_buffer.save(tmp / "drafter_buffer")
+        atomic_write_json(root / "latest.json", {"step": step, "dir": final.name})
+    except CheckpointError:
+        raise
+    except OSError as exc:  # a full disk, a quota, a read-only or failing file system
+        raise CheckpointError(_unsaved(run_dir, final, step, exc)) from None
     steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir())
     for old in steps[:-keep]:
         shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
     return final
+
+
+def _unsaved(run_dir: Path, final: Path, step: int, exc: OSError) -> str:
+    """The one-line error for a checkpoint the disk refused: the folder, the OS error, what is kept."""
+    kept = [p.name for p in checkpoints_newest_first(run_dir) if p != final]
+    previous = f"the previous checkpoint, {kept[0]}, is kept" if kept else "the run has no earlier checkpoint"
+    return (f"{final}: cannot save the checkpoint of step {step} ({exc}); {previous}; free space (or fix the disk) "
+            f"and continue with tlt train --resume {run_dir}")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -107,7 +107,8 @@ class TrainConfig:
     prompt_column: str = setting("prompt", "the dataset column holding the prompt")
     reward: str = setting("arithmetic", "a registered reward or an import path module:function")
     reward_workers: int = setting(0, "0: rewards in-process; >= 1: a process pool with a per-call timeout")
-    reward_timeout_s: float = setting(30.0, "seconds a reward call may take in the pool")
+    reward_timeout_s: float = setting(30.0, "seconds a reward call may take in the pool (reward_workers >= 1; an "
+                                      "in-process call has no limit)")
     accuracy_threshold: float = setting(1.0, "a response counts as correct (accuracy, pass@k) when its reward is >= "
                                         "this; the built-in rewards give 1.0 for a right answer")
     reward_failure_steps: int = setting(3, "stop when the reward failed on every row of this many consecutive steps "

@@ -40,8 +40,16 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
     c = config
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: is a file; a run directory is a folder (a new one, or a run's to resume)")
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.exists() and not checkpoints.is_dir():
+        other = "" if resume else ", or pick another --out"
+        raise ConfigError(f"{checkpoints}: is a file; a run keeps its checkpoints in a folder of that name (move or "
+                          f"rename the file{other})")
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
+    if not resume and checkpoints.exists():  # a new run would write its step folders over these
+        raise ConfigError(f"{run_dir} already holds checkpoints ({checkpoints}); continue that run with --resume "
+                          f"{run_dir} or pick another --out")
     trainer = GRPOTrainer(c, run_dir, log)
     metrics = None
     try:

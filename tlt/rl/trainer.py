@@ -54,7 +54,6 @@ class GRPOTrainer:
     def __init__(self, config: TrainConfig, run_dir: str | Path | None = None, log=print) -> None:
         from tlt.model import load_model
         from tlt.model.checkpoint import load_config
-        from tlt.rewards.registry import get_reward
         from tlt.rewards.runner import RewardRunner
         from tlt.tokenizer import load_tokenizer
 
@@ -73,7 +72,7 @@ class GRPOTrainer:
         self.train_examples, self.eval_examples = self._load_data()
         self._prompt_ids: dict[int, list[int]] = {}
         self._prompt_ids = self._encode_all([*self.train_examples, *self.eval_examples])
-        get_reward(c.reward)
+        self._check_reward()
         self.device = resolve_device(c.device, "field 'device'")
         self.policy = load_model(c.model, device=self.device).train()
         self.reference = (load_model(c.model, device=self.device).eval().requires_grad_(False)
@@ -128,6 +127,24 @@ class GRPOTrainer:
             for name in ("buffer_evict", "buffer_sample"):
                 if getattr(c.drafter, name):
                     import_callable(getattr(c.drafter, name), f"field 'drafter.{name}'")
+
+    def _check_reward(self) -> None:
+        """The reward's import and its parameters against the columns of the rows it scores (a required
+        parameter no row has would fail every row from the first step), and a warning when
+        reward_timeout_s is changed but cannot apply: in-process calls (reward_workers=0) have no limit."""
+        from tlt.rewards.registry import check_columns, get_reward
+
+        c = self.config
+        fn = get_reward(c.reward)
+        scored = [(self.train_examples, c.dataset or f"the built-in task {c.task!r}")]
+        if c.eval_dataset and c.eval.every:
+            scored.append((self.eval_examples, c.eval_dataset))
+        for examples, where in scored:
+            check_columns(fn, c.reward, {k for ex in examples for k in ex.columns}, where)
+        if not c.reward_workers and c.reward_timeout_s != TrainConfig.reward_timeout_s:
+            self.log(f"warning: reward_timeout_s={c.reward_timeout_s:g} has no effect with reward_workers=0: the "
+                     "reward runs in the training process, where a call that hangs cannot be stopped; set "
+                     "reward_workers=1 or more to limit each call to reward_timeout_s seconds")
 
     # --- data ------------------------------------------------------------------------------------------
     def _load_data(self) -> tuple[list[Example], list[Example]]:
