@@ -198,6 +198,19 @@ def test_a_reward_the_columns_do_not_fit_is_refused_at_start(model_dir, tmp_path
     assert message.format(file=data) in str(info.value)
 
 
+def test_an_eval_file_the_reward_cannot_score_is_refused_at_start_even_without_periodic_eval(model_dir, tmp_path,
+                                                                                              no_weights):
+    """Side-by-side runs evaluate at their start and end whatever eval.every says, so the eval file's columns are
+    checked against the reward whenever one is named."""
+    rows = [{"prompt": f"Q:{i}+1\nA:", "answer": str(i + 1)} for i in range(8)]
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    held = write_rows(tmp_path / "eval.jsonl", [{"prompt": r["prompt"]} for r in rows])
+    with pytest.raises(ConfigError) as info:
+        GRPOTrainer(tiny_config(model_dir, dataset=data, eval_dataset=held, reward="arithmetic"), log=lambda *_: None)
+    assert f"reward 'arithmetic' needs the column(s) ['answer'] (parameters without a default), which no row of {held}" \
+        in str(info.value)
+
+
 def test_a_reward_timeout_without_reward_workers_is_warned_about_once(model_dir, tmp_path):
     """Regression: reward_timeout_s did nothing with reward_workers=0 (in-process calls cannot be
     stopped), without a word."""

@@ -200,9 +200,11 @@ def test_other_architectures_are_refused_by_name(tmp_path, kind):
 
 
 def test_missing_weights_name_what_the_folder_holds_instead(tmp_path):
-    """Both used to say only that model.safetensors is missing."""
+    """Both used to say only that model.safetensors is missing; a Trainer's training_args.bin beside unindexed
+    shards is not taken for a weights file."""
     hf, folder = save(tmp_path, "llama", shard="20KB")
     (folder / "model.safetensors.index.json").unlink()
+    torch.save({"lr": 1e-5}, folder / "training_args.bin")
     with pytest.raises(tlt.CheckpointError, match=r"model\.safetensors: weights file is missing; found "
                                                   r"\['model-00001-of-.*'\] but no model\.safetensors\.index\.json"):
         tlt.load_model(folder)

@@ -157,6 +157,30 @@ def test_processes_of_one_run_draw_different_samples(tmp_path, policy_folder):
     assert first != other
 
 
+def test_a_resumed_rollout_draws_what_the_uninterrupted_one_drew_and_eval_does_not_move_it(tmp_path,
+                                                                                        policy_folder):
+    """Request seeds came from one stream per rollout_func, so a run resumed at step N (a new process, a new
+    rollout_func) replayed step 0's draws, and an eval call shifted the training draws after it. They are a
+    function of the step and the call's place in it, train and eval apart."""
+    policy, folder, tokenizer, prompts = policy_folder
+    trainer = trainer_on(tmp_path, policy, tokenizer, None, prompts)
+    group = prompts[:1] * 4
+    trainer.model.train()
+    running = make_rollout_func(folder, seed=0)
+    at_step = {}
+    for step in (0, 1):
+        trainer.state.global_step = step
+        at_step[step] = running(group, trainer)["completion_ids"]
+    assert at_step[0] != at_step[1]
+    resumed = make_rollout_func(folder, seed=0)  # a fresh process at step 1
+    assert resumed(group, trainer)["completion_ids"] == at_step[1]
+    with_eval = make_rollout_func(folder, seed=0)
+    trainer.model.eval()
+    with_eval(group, trainer)
+    trainer.model.train()
+    assert with_eval(group, trainer)["completion_ids"] == at_step[1]
+
+
 def test_rollout_refuses_settings_it_cannot_honour(tmp_path, policy_folder):
     """Each trainer setting tlt cannot sample with is an error naming it; the ones it can are taken as set."""
     policy, folder, tokenizer, _ = policy_folder

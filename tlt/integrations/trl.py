@@ -24,9 +24,11 @@ One call is
   - generate: each run of identical consecutive prompts becomes one request with n = its length, so
     the n samples share one prefill; sampling follows `trainer.args` (temperature, top_p, top_k,
     max_completion_length) and stops on `trainer.eos_token_ids` and nothing else, the ids TRL counts
-    as finished. Request seeds come from a stream seeded by the engine's seed (else `args.seed`) and
-    the process index, so a run is reproducible and the processes of one run, which may each hold
-    part of a prompt's group, draw different samples (as TRL's `set_seed(device_specific=True)`);
+    as finished. Each call's request seeds come from the engine's seed (else `args.seed`), the process
+    index, train or eval, the global step and the call's place in the step, so a run is reproducible, a
+    resumed run draws from step N on what the uninterrupted one drew, evaluating leaves training's draws
+    as they are, and the processes of one run, which may each hold part of a prompt's group, draw
+    different samples (as TRL's `set_seed(device_specific=True)`);
   - flatten: the samples of each request, in order, give one entry per prompt of the slice.
 What tlt cannot honour is refused with the setting named rather than ignored, since ignoring it would
 train on a distribution the user did not ask for: sampling settings tlt does not implement (min_p,
@@ -56,7 +58,7 @@ class TrlRollout:
         # What the engine holds: (the policy module, the TrainerState of the train() call, its global
         # step) when it was loaded, the first two weakly so that a finished run's model can be freed.
         self._loaded: tuple[weakref.ref, weakref.ref, int] | None = None
-        self._seeds: random.Random | None = None
+        self._calls: dict[tuple[str, int], int] = {}  # rollouts so far per (mode, global step)
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         params = self.sampling_params(trainer)
@@ -64,7 +66,7 @@ class TrlRollout:
         runs = [(prompt, len(list(same))) for prompt, same in itertools.groupby(prompts)]
         options = getattr(trainer, "chat_template_kwargs", None) or {}
         ids = [render_prompt(trainer.processing_class, prompt, **options) for prompt, _ in runs]
-        seeds = self._request_seeds(trainer)
+        seeds = self._request_seeds(trainer, version)
         requests = [dataclasses.replace(params, n=n, seed=seeds.getrandbits(63)) for _, n in runs]
         outputs = self.engine.generate(ids, requests, use_tqdm=False, weights_version=version)
         samples = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
@@ -113,11 +115,17 @@ class TrlRollout:
             raise ConfigError(f"GRPOConfig's sampling settings as tlt's (max_tokens is max_completion_length, "
                               f"stop_token_ids the trainer's eos_token_ids): {exc}") from None
 
-    def _request_seeds(self, trainer) -> random.Random:
-        if self._seeds is None:
-            seed = self.engine.config.seed if self.engine.config.seed is not None else trainer.args.seed
-            self._seeds = random.Random(f"{seed}:{trainer.accelerator.process_index}")
-        return self._seeds
+    def _request_seeds(self, trainer, step: int) -> random.Random:
+        """The stream of this call's request seeds: a function of the seed, the process, train or eval, the
+        global step and the call's place among that step's calls, so a resumed run (a new rollout_func at
+        step N) draws what the uninterrupted run drew at step N, and evaluating does not move training's
+        draws. `str` seeds hash the same in every process (SHA-512, not Python's salted hash)."""
+        seed = self.engine.config.seed if self.engine.config.seed is not None else trainer.args.seed
+        mode = "train" if trainer.model.training else "eval"
+        n = self._calls.get((mode, step), 0)
+        # this step's counts only (earlier steps' are never asked for again)
+        self._calls = {**{k: v for k, v in self._calls.items() if k[1] == step}, (mode, step): n + 1}
+        return random.Random(f"{seed}:{trainer.accelerator.process_index}:{mode}:{step}:{n}")
 
 
 def make_rollout_func(model_path_or_engine: str | os.PathLike | RolloutEngine, **engine_options) -> TrlRollout:

@@ -108,13 +108,14 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 def _missing_weights_hint(folder: Path) -> str:
     """What the folder holds instead of model.safetensors, and what to do about it ("" when nothing)."""
-    bins = sorted(f.name for f in folder.glob("*.bin"))
-    if bins:
-        return (f"; found {bins[:3]}: tlt reads safetensors only (resave the folder with transformers' "
-                "save_pretrained, which writes safetensors)")
     shards = sorted(f.name for f in folder.glob("*.safetensors"))
     if shards:
         return f"; found {shards[:3]} but no model.safetensors.index.json mapping tensors to them"
+    # weights only: a Trainer's output folder also holds training_args.bin
+    bins = sorted(f.name for f in folder.glob("pytorch_model*.bin"))
+    if bins:
+        return (f"; found {bins[:3]}: tlt reads safetensors only (resave the folder with transformers' "
+                "save_pretrained, which writes safetensors)")
     return ""
 
 

@@ -124,8 +124,8 @@ class KVCache:
         limit: int | None = None,
     ) -> None:
         """paired: values in the paired layout (module docstring); None: where the cache is bf16 on the CPU.
-        packed_keys: keys in the kernels' packed layout (module docstring); None: where the values are paired and
-        tlt's kernels run without AMX.
+        packed_keys: keys in the kernels' packed layout (module docstring); None: where the values are paired,
+        `block` is a multiple of 32 and tlt's kernels run without AMX.
         limit: the most slots a row is expected to need (a rollout's prompt, new tokens and a draft's slots),
         up to which the capacity doubles as it grows (`reserve`); None: unknown."""
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):

@@ -137,7 +137,7 @@ class GRPOTrainer:
         c = self.config
         fn = get_reward(c.reward)
         scored = [(self.train_examples, c.dataset or f"the built-in task {c.task!r}")]
-        if c.eval_dataset and c.eval.every:
+        if c.eval_dataset:  # (evaluated at eval.every, and by side-by-side runs at their start and end)
             scored.append((self.eval_examples, c.eval_dataset))
         for examples, where in scored:
             check_columns(fn, c.reward, {k for ex in examples for k in ex.columns}, where)
