@@ -80,6 +80,13 @@ def natural_keys(keys: torch.Tensor) -> torch.Tensor:
     return key_slots(keys).reshape(keys.shape)
 
 
+def slot_view(t: torch.Tensor, group: int) -> torch.Tensor:
+    """Paired values (group 2) or packed keys (group KEY_GROUP) [..., C, D] as the view [..., C / group, group, D / 2,
+    2] in which slot s is [..., s // group, s % group, :, :], its D elements as D / 2 pairs: one indexing op writes or
+    moves single slots of either layout."""
+    return pairs(t).unflatten(-1, (-1, 2)) if group == 2 else key_slots(t)
+
+
 def packs_keys(paired: bool, block: int) -> bool:
     """Whether a cache with values `paired` and capacity steps of `block` keeps its keys packed by default:
     where tlt's kernels run without AMX (module docstring)."""
@@ -144,6 +151,8 @@ class KVCache:
             raise ValueError(f"packed keys need a bf16 cache and a block that is a multiple of {KEY_GROUP}, got {dtype} "
                              f"and block {block}")
         self.packed_keys = packed_keys
+        # slots a layout's unit holds, keys then values: 1 the usual layout (slot_view's groups otherwise)
+        self.groups = (KEY_GROUP if packed_keys else 1, 2 if paired else 1)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.store = self._empty(batch_size, 0)
 
@@ -253,37 +262,27 @@ class KVCache:
         longest = self.max_length
         if longest + T > self.capacity:
             self.reserve(T)
-        keys, values = self.keys[layer], self.values[layer]
-        G = KEY_GROUP
-        if self.min_length == longest:  # rows of equal length (prefill, batch 1): a plain slice write
-            new = torch.arange(longest, longest + T, device=self.device)
-            if self.packed_keys:
-                key_slots(keys)[:, :, new // G, new % G] = k.to(self.dtype).unflatten(-1, (-1, 2))
-            else:
-                keys[:, :, longest : longest + T] = k
-            if self.paired:
-                pairs(values)[:, :, new // 2, new % 2] = v.to(self.dtype)
-            else:
-                values[:, :, longest : longest + T] = v
+        equal = self.min_length == longest  # rows of equal length (prefill, batch 1): one slice of slots for all
+        if equal:
+            slots = torch.arange(longest, longest + T, device=self.device) if max(self.groups) > 1 else None
         else:
             slots = self.lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
             rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(slots)
-            k = k.transpose(1, 2).to(self.dtype)  # [B, T, H_kv, D] into [B, H_kv, C, D]
-            if self.packed_keys:
-                key_slots(keys)[rows, :, slots // G, slots % G] = k.unflatten(-1, (-1, 2))
+        end, out = longest + T, []
+        for buf, new, g in ((self.keys[layer], k, self.groups[0]), (self.values[layer], v, self.groups[1])):
+            new = new.to(self.dtype) if equal else new.transpose(1, 2).to(self.dtype)  # [B, T, H_kv, D] unequal
+            if g == 1 and equal:
+                buf[:, :, longest:end] = new
+            elif g == 1:
+                buf[rows, :, slots] = new
+            elif equal:
+                slot_view(buf, g)[:, :, slots // g, slots % g] = new.unflatten(-1, (-1, 2))
             else:
-                keys[rows, :, slots] = k
-            if self.paired:
-                pairs(values)[rows, :, slots // 2, slots % 2] = v.transpose(1, 2).to(self.dtype)
-            else:
-                values[rows, :, slots] = v.transpose(1, 2).to(self.dtype)
-        end = longest + T
-        # the usual layout for the operator path, of the slots it reads (whole pairs, whole groups of keys)
-        if self.packed_keys:
-            keys = natural_keys(keys[:, :, : -(-end // G) * G])
-        if self.paired:
-            return keys[:, :, :end], natural(values[:, :, : end + end % 2])[:, :, :end]
-        return keys[:, :, :end], values[:, :, :end]
+                slot_view(buf, g)[rows, :, slots // g, slots % g] = new.unflatten(-1, (-1, 2))
+            # the usual layout for the operator path, of the slots it reads (whole units of the layout)
+            whole = buf[:, :, : -(-end // g) * g]
+            out.append(whole if g == 1 else slot_view(whole, g).reshape(whole.shape))
+        return out[0][:, :, :end], out[1][:, :, :end]
 
     def buffers(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For a kernel that writes T new tokens itself, at slots lengths[b] .. lengths[b]+T-1 of row b:
@@ -331,7 +330,7 @@ class KVCache:
             self.lengths = base + counts
             return
         s = self._store
-        natural_store = not self.paired and not self.packed_keys
+        natural_store = self.groups == (1, 1)
         if natural_store and (lo := int(base.min())) == int(base.max()):  # one start (batch 1, unpadded drafts)
             new = s[..., lo : self.max_length, :]  # [2L, B, H_kv, W, D] the new slots
             index = keep[None, :, None, :, None].expand(s.shape[0], B, s.shape[2], K, s.shape[4])
@@ -345,18 +344,10 @@ class KVCache:
             rows = torch.arange(B, device=self.device)[:, None].expand(B, K)[kept]
             if natural_store:
                 s[:, rows, :, dst] = s[:, rows, :, src]
-            else:  # keys by slot (packed: by group and place), values by slot (paired: by pair and half)
-                keys, values = s[: self.num_layers], s[self.num_layers :]
-                if self.packed_keys:
-                    G, keys = KEY_GROUP, key_slots(keys)
-                    keys[:, rows, :, dst // G, dst % G] = keys[:, rows, :, src // G, src % G]
-                else:
-                    keys[:, rows, :, dst] = keys[:, rows, :, src]
-                if self.paired:
-                    values = pairs(values)
-                    values[:, rows, :, dst // 2, dst % 2] = values[:, rows, :, src // 2, src % 2]
-                else:
-                    values[:, rows, :, dst] = values[:, rows, :, src]
+            else:  # keys, then values, by slot in their layouts
+                for half, g in ((s[: self.num_layers], self.groups[0]), (s[self.num_layers :], self.groups[1])):
+                    view = half.unsqueeze(-2) if g == 1 else slot_view(half, g)
+                    view[:, rows, :, dst // g, dst % g] = view[:, rows, :, src // g, src % g]
         self.lengths = base + counts
 
     def kernels(self):
@@ -404,7 +395,7 @@ class KVCache:
         if not caches:
             raise ValueError("concat needs at least one non-empty cache")
         first = caches[0]
-        if any((c.paired, c.packed_keys) != (first.paired, first.packed_keys) for c in caches):
+        if any(c.groups != first.groups for c in caches):
             raise ValueError("concat: the caches hold their keys or values in different layouts (paired, packed_keys)")
         cap = max(c.capacity for c in caches)
         limits = [c.limit for c in caches]
