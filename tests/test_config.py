@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from tlt.cli import main
-from tlt.config import build, flatten, format_value, from_dict, keys, override, to_dict, upgrade
+from tlt.config import build, flatten, format_value, from_dict, keys, load_yaml, override, to_dict, upgrade
 from tlt.errors import ConfigError
 from tlt.rl import TrainConfig
 
@@ -146,3 +146,24 @@ def test_yaml_off_and_on_are_words_not_booleans(tmp_path):
     c = build(TrainConfig, tmp_path / "run.yaml")
     assert c.speculative == "off" and c.tuner.arms == ("off", "ngram-d4")
     assert c.log.wandb is True and c.log.tensorboard is True and c.loss.normalize_std is False
+
+
+def test_a_field_set_twice_in_yaml_is_named_with_both_lines(tmp_path):
+    """Regression: PyYAML keeps the last of two equal keys, so `steps: 2` above a forgotten `steps: 50`
+    trained for 50 steps without a word. A key that overrides a merged anchor (`<<: *base`) is meant."""
+    (tmp_path / "run.yaml").write_text("steps: 2\nloss:\n  tis_cap: 2.0\n  clip: 0.2\n  tis_cap: 3.0\n")
+    with pytest.raises(ConfigError) as caught:
+        build(TrainConfig, tmp_path / "run.yaml")
+    assert str(caught.value) == (f"{tmp_path / 'run.yaml'}: line 5, column 3: invalid YAML "
+                                 "(duplicate key 'tis_cap', first set on line 3)")
+    (tmp_path / "merged.yaml").write_text("defaults: &base\n  tis_cap: 2.0\n  clip: 0.2\n"
+                                          "loss:\n  <<: *base\n  tis_cap: 3.0\n")
+    assert load_yaml(tmp_path / "merged.yaml")["loss"] == {"tis_cap": 3.0, "clip": 0.2}
+
+
+def test_a_field_given_as_a_dotted_key_and_inside_its_group_is_refused(tmp_path):
+    """Regression: `loss.clip_low: 0.1` beside `loss: {clip_low: 0.3}` kept whichever came last."""
+    (tmp_path / "run.yaml").write_text("loss.clip_low: 0.1\nloss:\n  clip_low: 0.3\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: 'loss.clip_low' is given twice, as a dotted key and inside "
+                                          r"its group; keep one$"):
+        build(TrainConfig, tmp_path / "run.yaml")

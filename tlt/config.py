@@ -12,6 +12,7 @@ Fields made with `setting` carry a one-line meaning that `describe` lists.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import re
@@ -103,10 +104,10 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     for key, value in data.items():
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = to_dict(value)
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
+        inner = flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+        for full in inner.keys() & out.keys():  # `loss.clip_low: 0.1` beside `loss: {clip_low: 0.3}`
+            raise ConfigError(f"{full!r} is given twice, as a dotted key and inside its group; keep one")
+        out.update(inner)
     return out
 
 
@@ -142,7 +143,11 @@ def compose(cls: type[T], layers: list[tuple[dict[str, Any], str]]) -> T:
 def _gather(cls: type, data: dict[str, Any], origin: typing.Callable[[str], str]) -> dict[str, tuple[Any, str]]:
     """`data` as {dotted key: (value, origin)}, the keys of an earlier release under their new names."""
     out = {}
-    for key, value in flatten(data).items():
+    try:
+        flat = flatten(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{origin('')}: {exc}") from None
+    for key, value in flat.items():
         where, new = origin(key), renamed_key(cls, key)
         if new != key:
             warnings.warn(f"{where}: key {key!r} is now {new!r}; the old name goes in the next release",
@@ -228,7 +233,19 @@ def _yaml_loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            # PyYAML keeps the last of two equal keys; a config that sets a field twice is a mistake to name.
+            # Only the keys written in this mapping count: one that overrides a merged `<<: *base` is meant.
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, collections.abc.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}, first set on line {seen[key] + 1}", key_node.start_mark)
+                seen.setdefault(key, key_node.start_mark.line)
+            return super().construct_mapping(node, deep)
 
     bool_tag = "tag:yaml.org,2002:bool"
     Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
