@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tlt.data import Example
+from tlt.errors import TrainingError
 from tlt.rl.episode import Episode, pack
 from tlt.rl.grpo import (LossConfig, entropy, group_advantages, kl_k3, policy_loss, token_weights,
                          zero_variance_groups)
@@ -31,6 +32,20 @@ def test_zero_variance_groups_get_zero_advantage_and_are_flagged():
     assert adv[0] == 0 and adv[1] == 0 and adv[4] == 0 and adv[5] == 0
     assert adv[2] > 0 > adv[3]
     assert zero_variance_groups(rewards, groups).tolist() == [True, True, False, False, True, True]
+
+
+def test_rewards_whose_spread_float32_cannot_hold_are_named_not_turned_into_inf():
+    """Regression: with loss.normalize_std=false rewards of +-3e38 (each within float32's range) gave an
+    advantage of inf, and the run stopped later on "the loss is nan" with nothing pointing at the reward."""
+    big = 3e38
+    rewards = torch.tensor([0.0, 1.0, big, big, big, -big])  # group 5's mean is 1.5e38: -big sits 4.5e38 below
+    groups = torch.tensor([0, 0, 5, 5, 5, 5])
+    with pytest.raises(TrainingError, match=r"^group 5: rewards from -3e\+38 to 3e\+38 give advantages beyond "
+                                            r"float32's range with loss.normalize_std=false; scale the reward down "
+                                            r"or set loss.normalize_std=true$"):
+        group_advantages(rewards, groups, normalize_std=False)
+    normalized = group_advantages(rewards, groups, normalize_std=True)  # divided by the group's spread: finite
+    assert torch.isfinite(normalized).all() and normalized[2] > 0 > normalized[5]
 
 
 def test_token_weights_token_and_sequence_means():

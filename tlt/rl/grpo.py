@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.config import check, check_choice, check_numbers, setting
+from tlt.errors import TrainingError
 
 
 def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, normalize_std: bool = True,
@@ -33,7 +34,15 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, normalize_std:
     mean = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, rewards) / count  # [G]
     centred = rewards - mean[inverse]  # [N]
     if not normalize_std:
-        return centred.float()
+        advantages = centred.float()
+        if not torch.isfinite(advantages).all():  # rewards of float32's range can differ by more than it holds
+            member = int((~torch.isfinite(advantages)).nonzero()[0, 0])
+            in_group = rewards[groups == groups[member]]
+            raise TrainingError(
+                f"group {groups[member].item()}: rewards from {in_group.min().item():.4g} to {in_group.max().item():.4g} "
+                f"give advantages beyond float32's range with loss.normalize_std=false; scale the reward down "
+                f"or set loss.normalize_std=true")
+        return advantages
     # Unbiased std, as torch.std: a group of one has no spread, its advantage is 0 anyway.
     square = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, centred**2)  # [G]
     std = (square / (count - 1).clamp(min=1)).sqrt()  # [G]
