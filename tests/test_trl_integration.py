@@ -119,6 +119,32 @@ def test_a_second_train_call_samples_from_the_weights_the_first_left(tmp_path, p
     assert served == [True, True]
 
 
+def test_weights_loaded_into_the_policy_at_the_same_step_are_the_ones_sampled(tmp_path, policy_folder):
+    """The engine's weights were keyed on the step: weights loaded in place at the same step (as
+    `load_best_model_at_end` does before an `evaluate()`) were not synced and the old ones were sampled.
+    In-place writes bump the parameters' version counters, which the sync now reads too."""
+    policy, folder, tokenizer, prompts = policy_folder
+    rollout = make_rollout_func(folder, seed=0)
+    trainer = trainer_on(tmp_path, policy, tokenizer, None, prompts)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+
+    def served():
+        engine = rollout.engine.model.state_dict()
+        return all(torch.equal(engine[k], v) for k, v in model.state_dict().items())
+
+    loads = []
+    load_weights = rollout.engine.load_weights
+    rollout.engine.load_weights = lambda state, version: loads.append(version) or load_weights(state, version)
+    rollout(prompts[:1], trainer)
+    assert served() and loads == [0]
+    rollout(prompts[:1], trainer)  # nothing written since: no copy
+    assert loads == [0]
+    model.load_state_dict(tiny_hf_model("qwen2", seed=2).state_dict())  # another checkpoint, same step
+    assert not served()
+    rollout(prompts[:1], trainer)
+    assert served() and loads == [0, 0]
+
+
 def test_completions_stop_where_trl_counts_them_finished(tmp_path, policy_folder):
     """A token the folder's config.json calls eos but TRL's `eos_token_ids` (generation_config.json and
     the tokenizer) does not ended tlt's completions, which TRL then counted as truncated (and masked

@@ -11,13 +11,15 @@ reward functions. TRL then decodes, scores, computes advantages per group and up
 One call is
     sync -> render -> generate -> flatten
   - sync: when the optimizer has stepped since the engine's last load (`trainer.state.global_step`
-    moved), or the policy (`trainer.model`, unwrapped) or the run (`trainer.state`: a second `train()`,
+    moved), a parameter was written in place, or the policy (`trainer.model`, unwrapped) or the run (`trainer.state`: a second `train()`,
     a resumed checkpoint, another trainer) is another object, the policy is copied into the engine's
     model with version = the global step, and the rollout asks the engine for exactly that version:
     every completion comes from the weights being trained (on-policy), whether TRL generates once per
     optimizer step, once per `steps_per_generation` or reuses a generation `num_iterations` times;
     speculation leaves the distribution unchanged (lossless). The step, not the tensors, tells a
-    change, as fused optimizers update weights without bumping their in-place version counters.
+    change, as fused optimizers update weights without bumping their in-place version counters; the
+    counters tell the changes made at the same step (`load_best_model_at_end` loading a checkpoint into
+    the model, a user's `load_state_dict` between `train()` and `evaluate()`), which all bump them.
     tlt's parameter names are transformers' own, so the state dict needs no name map;
   - render: text is encoded as TRL encodes it, chat messages go through the trainer's tokenizer's
     chat template with `trainer.chat_template_kwargs` (tlt/chat.py);
@@ -56,8 +58,9 @@ class TrlRollout:
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         # What the engine holds: (the policy module, the TrainerState of the train() call, its global
-        # step) when it was loaded, the first two weakly so that a finished run's model can be freed.
-        self._loaded: tuple[weakref.ref, weakref.ref, int] | None = None
+        # step, its parameters' version counters) when it was loaded, the first two weakly so that a
+        # finished run's model can be freed.
+        self._loaded: tuple[weakref.ref, weakref.ref, int, tuple[int, ...]] | None = None
         self._calls: dict[tuple[str, int], int] = {}  # rollouts so far per (mode, global step)
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
@@ -84,10 +87,12 @@ class TrlRollout:
             raise ConfigError("the trainer trains a PEFT adapter (peft_config), and tlt's engine holds full "
                               "weights; train the full model, or merge the adapter before rolling out with tlt")
         run, step = trainer.state, int(trainer.state.global_step)
+        versions = tuple(p._version for p in policy.parameters())  # bumped by every in-place write
         held = self._loaded
-        if held is None or held[0]() is not policy or held[1]() is not run or held[2] != step:
+        if (held is None or held[0]() is not policy or held[1]() is not run or held[2] != step
+                or held[3] != versions):
             self.engine.load_weights(policy.state_dict(), step)
-            self._loaded = (weakref.ref(policy), weakref.ref(run), step)
+            self._loaded = (weakref.ref(policy), weakref.ref(run), step, versions)
         return step
 
     def sampling_params(self, trainer) -> SamplingParams:
