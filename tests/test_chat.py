@@ -48,3 +48,13 @@ def test_messages_without_a_chat_template_are_a_clear_error(tmp_path):
 def test_malformed_prompts_are_rejected(chat_tokenizer, prompt):
     with pytest.raises(tlt.ConfigError, match="prompt|chat message"):
         render_prompt(chat_tokenizer, prompt)
+
+
+def test_content_parts_other_than_text_are_named(chat_tokenizer):
+    """Regression: a multimodal row's image part reached the chat template, which dropped it (or wrote its
+    placeholder), and the text-only policy was sampled without the image the reward assumed it saw."""
+    image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w1 w2"}]}]
+    with pytest.raises(tlt.ConfigError, match=r"^chat message 0 has a content part of type 'image' .*text only"):
+        render_prompt(chat_tokenizer, image)
+    with pytest.raises(tlt.ConfigError, match=r"^chat message 1 has a content part of type None \('w1'\)"):
+        render_prompt(chat_tokenizer, [{"role": "system", "content": "w0"}, {"role": "user", "content": ["w1"]}])

@@ -35,3 +35,10 @@ def _check_messages(prompt: Any) -> None:
     for i, message in enumerate(prompt):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ConfigError(f"chat message {i} must be an object with 'role' and 'content', got {message!r:.80}")
+        content = message["content"]
+        if isinstance(content, list):  # content parts, as multimodal datasets write them
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ConfigError(f"chat message {i} has a content part of type {kind!r} ({part!r:.60}); tlt's "
+                                      "policies read text only: give text parts ({'type': 'text', 'text': ...}) or a string")
