@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("tlt.sft", "train the default model by supervised fine-tuning on the built-in task"),
     "eval": ("tlt.evaluate", "accuracy of a model on fresh problems of the built-in task"),
     "train": ("tlt.rl.run", "GRPO training with adaptive speculative rollout (the embedded default without arguments)"),
-    "bench": ("tlt.bench", "benchmarks: forward, rollout, speculative, e2e"),
+    "bench": ("tlt.bench", "benchmarks: forward, roofline, rollout, speculative, e2e, history, trl"),
     "train-drafter": ("tlt.speculative.train", "train an EAGLE drafter offline on the target's own generations"),
     "export-drafter": ("tlt.speculative.export", "write a drafter as an EAGLE draft head for SGLang and vLLM"),
     "report": ("tlt.report", "figures and a markdown summary of a GRPO run directory"),

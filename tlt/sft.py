@@ -15,7 +15,7 @@ character tokenizer and `recipe.json` (the exact config and command that reprodu
 on top. `bench` is the bench policy: ~92 M parameters (184 MB in bf16, 12 layers), so that its decode
 streams its weights from memory as a real policy's does. It starts from the default model grown to that
 shape with its function preserved (`init`, tlt/model/grow.py) and trains on the `bench` task
-(reasoning-length chains) with bf16 autocast, about 30 minutes on 2 cores.
+(reasoning-length chains) with bf16 autocast: 15 minutes on 2 Xeon cores with AMX, 33 on the 2-core EPYC.
 """
 
 from __future__ import annotations
