@@ -258,3 +258,44 @@ def test_the_readme_recipe_runs_as_written(tmp_path, monkeypatch):
     trainer = scope["trainer"]
     assert trainer.state.global_step == 2
     assert trainer.rollout_func.engine.weights_version == 1
+
+
+def test_fsdp2_weights_are_gathered_and_zero3_and_fsdp1_are_refused(tmp_path, policy_folder):
+    """A trainer under FSDP2 holds each parameter as a DTensor of this process's shard: the engine gets the
+    whole weights. ZeRO-3 and FSDP1 parameters are placeholders outside their gathering contexts, which
+    copied as tensors of shape (0,) failed on a shape mismatch naming neither: they are refused by name."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    policy, folder, _, _ = policy_folder
+    rollout = make_rollout_func(folder)
+
+    class TrainerState:  # the sync holds the run's state weakly
+        def __init__(self, global_step):
+            self.global_step = global_step
+
+    def trainer_with(model, step, **plugins):
+        state = SimpleNamespace(**{"deepspeed_plugin": None, "fsdp_plugin": None, **plugins})
+        return SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m, state=state),
+                               state=TrainerState(step))
+
+    expected = tiny_hf_model("qwen2", seed=3).state_dict()
+    sharded = tiny_hf_model("qwen2", seed=3)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        assert all(isinstance(v, DTensor) for v in sharded.state_dict().values())
+        rollout.sync(trainer_with(sharded, 0, fsdp_plugin=SimpleNamespace(fsdp_version=2)))
+    finally:
+        dist.destroy_process_group()
+    served = rollout.engine.model.state_dict()
+    assert all(torch.equal(served[k], v) for k, v in expected.items())
+    for plugins, named in [({"deepspeed_plugin": SimpleNamespace(zero_stage=3)}, "DeepSpeed ZeRO-3"),
+                           ({"fsdp_plugin": SimpleNamespace(fsdp_version=1)}, "FSDP1")]:
+        with pytest.raises(tlt.ConfigError, match=f"shards the policy with {named}"):
+            rollout.sync(trainer_with(policy, 1, **plugins))

@@ -36,7 +36,8 @@ What tlt cannot honour is refused with the setting named rather than ignored, si
 train on a distribution the user did not ask for: sampling settings tlt does not implement (min_p,
 repetition_penalty, generation_kwargs), tools (TRL would continue tool turns with its own generation
 from prompts tlt rendered without the tools), vLLM (its weight syncs would be wasted and its
-settings unused) and PEFT adapters (the engine holds full weights).
+settings unused), PEFT adapters (the engine holds full weights), and DeepSpeed ZeRO-3 and FSDP1 (their
+sharded parameters are placeholders outside their own gathering contexts); FSDP2's are gathered.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class TrlRollout:
         held = self._loaded
         if (held is None or held[0]() is not policy or held[1]() is not run or held[2] != step
                 or held[3] != versions):
-            self.engine.load_weights(policy.state_dict(), step)
+            self.engine.load_weights(full_state(trainer, policy), step)
             self._loaded = (weakref.ref(policy), weakref.ref(run), step, versions)
         return step
 
@@ -131,6 +132,25 @@ class TrlRollout:
         # this step's counts only (earlier steps' are never asked for again)
         self._calls = {**{k: v for k, v in self._calls.items() if k[1] == step}, (mode, step): n + 1}
         return random.Random(f"{seed}:{trainer.accelerator.process_index}:{mode}:{step}:{n}")
+
+
+def full_state(trainer, policy) -> dict:
+    """The policy's whole weights by name. Under FSDP2 each parameter is a DTensor holding this process's
+    shard; `full_tensor` gathers it, a collective every process runs here at the same calls (they sync
+    at the same steps). DeepSpeed ZeRO-3 and FSDP1 keep parameters behind placeholders that only their
+    own gathering contexts fill: refused by name rather than copied as empty tensors."""
+    from torch.distributed.tensor import DTensor
+
+    state = getattr(trainer.accelerator, "state", None)
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    fsdp = getattr(state, "fsdp_plugin", None)
+    if deepspeed is not None and deepspeed.zero_stage == 3:
+        raise ConfigError("the trainer shards the policy with DeepSpeed ZeRO-3, whose placeholders tlt's rollout_func "
+                          "cannot copy; use ZeRO stage 2 or FSDP2 (fsdp_version: 2), whose weights it gathers")
+    if fsdp is not None and getattr(fsdp, "fsdp_version", 1) == 1:
+        raise ConfigError("the trainer shards the policy with FSDP1, whose flat parameters tlt's rollout_func cannot "
+                          "copy; use FSDP2 (fsdp_version: 2), whose weights it gathers, or DeepSpeed ZeRO stage 2")
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in policy.state_dict().items()}
 
 
 def make_rollout_func(model_path_or_engine: str | os.PathLike | RolloutEngine, **engine_options) -> TrlRollout:
