@@ -104,10 +104,10 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     for key, value in data.items():
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = to_dict(value)
-        inner = flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
-        for full in inner.keys() & out.keys():  # `loss.clip_low: 0.1` beside `loss: {clip_low: 0.3}`
-            raise ConfigError(f"{full!r} is given twice, as a dotted key and inside its group; keep one")
-        out.update(inner)
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
     return out
 
 
@@ -143,11 +143,7 @@ def compose(cls: type[T], layers: list[tuple[dict[str, Any], str]]) -> T:
 def _gather(cls: type, data: dict[str, Any], origin: typing.Callable[[str], str]) -> dict[str, tuple[Any, str]]:
     """`data` as {dotted key: (value, origin)}, the keys of an earlier release under their new names."""
     out = {}
-    try:
-        flat = flatten(data)
-    except ConfigError as exc:
-        raise ConfigError(f"{origin('')}: {exc}") from None
-    for key, value in flat.items():
+    for key, value in flatten(data).items():
         where, new = origin(key), renamed_key(cls, key)
         if new != key:
             warnings.warn(f"{where}: key {key!r} is now {new!r}; the old name goes in the next release",
@@ -274,7 +270,21 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: line {mark.line + 1}, column {mark.column + 1}: invalid YAML ({what})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value at the top level")
+    _check_spelled_once(data, path)
     return data
+
+
+def _check_spelled_once(data: dict, path: Path, prefix: str = "") -> set[str]:
+    """The dotted keys a file's mapping sets; a field written both as a dotted key and inside its group
+    (`loss.clip_low: 0.1` beside `loss: {clip_low: 0.3}`) is an error, not whichever comes last."""
+    seen = set()
+    for key, value in data.items():
+        inner = (_check_spelled_once(value, path, f"{prefix}{key}.") if isinstance(value, dict)
+                 else {f"{prefix}{key}"})
+        for full in sorted(inner & seen):
+            raise ConfigError(f"{path}: {full!r} is given twice, as a dotted key and inside its group; keep one")
+        seen |= inner
+    return seen
 
 
 def build(cls: type[T], file: str | Path | None = None, overrides: list[str] = ()) -> T:
