@@ -221,3 +221,33 @@ def test_a_reward_timeout_without_reward_workers_is_warned_about_once(model_dir,
         lines = []
         GRPOTrainer(tiny_config(model_dir, reward_timeout_s=timeout), log=lines.append).close()
         assert [x for x in lines if "reward_timeout_s" in x] == expected
+
+
+def test_an_openrlhf_file_plugs_in_by_its_prompt_and_label_columns(model_dir, tmp_path):
+    """OpenRLHF's prompt data is `input` and `label` columns: `prompt_column=input` and
+    `reward_columns=label:answer` give the built-in reward its `answer`, in training and eval rows alike;
+    a renamed column the row also has under the new name, and a malformed entry, are named."""
+    rows = [{"input": f"Q:{i}+1\nA:", "label": str(i + 1)} for i in range(8)]
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    held = write_rows(tmp_path / "eval.jsonl", rows[:2])
+    trainer = GRPOTrainer(tiny_config(model_dir, dataset=data, eval_dataset=held, prompt_column="input",
+                                      reward_columns=("label:answer",), reward="arithmetic"), log=lambda *_: None)
+    try:
+        assert [(e.prompt, e.columns) for e in trainer.train_examples[:2]] == [
+            ("Q:0+1\nA:", {"answer": "1"}), ("Q:1+1\nA:", {"answer": "2"})]
+        assert trainer.eval_examples[1].columns == {"answer": "2"}
+        episodes = trainer.rollout(trainer.examples_for_step(0), 0)[0]
+        assert trainer.score(episodes).errors == [None] * len(episodes)  # every row scored against its answer
+    finally:
+        trainer.close()
+    both = write_rows(tmp_path / "both.jsonl", [{**r, "answer": "0"} for r in rows])
+    with pytest.raises(ConfigError, match=r"both.jsonl line 1: column 'label' is renamed to 'answer', which the row "
+                                          r"already has; rename one of them$"):
+        GRPOTrainer(tiny_config(model_dir, dataset=both, prompt_column="input", reward_columns=("label:answer",)),
+                    log=lambda *_: None)
+    for entries, problem in [(("label",), "entry 'label' must be COLUMN:NAME"),
+                             (("label:an swer",), "entry 'label:an swer' must be COLUMN:NAME"),
+                             (("input:answer",), "entry 'input:answer' renames the prompt column"),
+                             (("label:answer", "level:answer"), "entry 'level:answer': each column and each name once")]:
+        with pytest.raises(ConfigError, match=f"'reward_columns' {problem}"):
+            tiny_config(model_dir, dataset=data, prompt_column="input", reward_columns=entries)

@@ -200,6 +200,10 @@ def _example(row: dict, source: str, layout: str, prompt_column: str, renames: d
     if missing:
         raise _BadRow(f"{where}: no column {missing[0]!r} to rename to {renames[missing[0]]!r}; "
                       f"the row has {sorted(found)}")
+    taken = [column for column, name in renames.items() if name in found and name not in renames]
+    if taken:  # the renamed column would replace one the row has under that name
+        raise _BadRow(f"{where}: column {taken[0]!r} is renamed to {renames[taken[0]]!r}, which the row already "
+                      f"has; rename one of them")
     kept = {k: v for k, v in found.items() if k not in renames}
     kept.update({renames[k]: v for k, v in found.items() if k in renames})
     return Example(prompt, kept, source)

@@ -105,6 +105,8 @@ class TrainConfig:
     dataset: str | None = setting(None, "a JSONL or Parquet file (verl or TRL layout)")
     eval_dataset: str | None = setting(None, "held-out examples (none: the dataset's last rows, at most a quarter)")
     prompt_column: str = setting("prompt", "the dataset column holding the prompt")
+    reward_columns: tuple[str, ...] = setting((), "dataset columns the reward gets under another name, COLUMN:NAME "
+                                              "each (OpenRLHF's label for the math reward: label:ground_truth)")
     reward: str = setting("arithmetic", "a registered reward or an import path module:function")
     reward_workers: int = setting(0, "0: rewards in-process; >= 1: a process pool with a per-call timeout")
     reward_timeout_s: float = setting(30.0, "seconds a reward call may take in the pool (reward_workers >= 1; an "
@@ -184,7 +186,23 @@ class TrainConfig:
         from tlt.device import check_device_name
 
         check_device_name(self.device, "field 'device'")
+        self.column_renames()
         self._check_across_components()
+
+    def column_renames(self) -> dict[str, str]:
+        """`reward_columns` as {dataset column: the reward's name for it}."""
+        renames: dict[str, str] = {}
+        for entry in self.reward_columns:
+            column, sep, name = str(entry).partition(":")
+            if not sep or not column or not name.isidentifier():
+                raise FieldError("reward_columns", f"entry {entry!r} must be COLUMN:NAME with NAME a keyword the "
+                                                   "reward can take (e.g. label:ground_truth)")
+            if column == self.prompt_column:
+                raise FieldError("reward_columns", f"entry {entry!r} renames the prompt column ({column!r})")
+            if column in renames or name in renames.values():
+                raise FieldError("reward_columns", f"entry {entry!r}: each column and each name once")
+            renames[column] = name
+        return renames
 
     def _check_across_components(self) -> None:
         if self.optim.mini_batches > self.prompts_per_step:

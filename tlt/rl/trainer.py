@@ -152,9 +152,11 @@ class GRPOTrainer:
         if c.dataset:
             from tlt.data import load_examples
 
-            train = load_examples(c.dataset, prompt_column=c.prompt_column)
+            renames = c.column_renames()
+            train = load_examples(c.dataset, prompt_column=c.prompt_column, columns=renames)
             if c.eval_dataset:
-                held = load_examples(c.eval_dataset, prompt_column=c.prompt_column, name="eval_dataset")
+                held = load_examples(c.eval_dataset, prompt_column=c.prompt_column, columns=renames,
+                                     name="eval_dataset")
                 if len(held) > c.eval.problems:
                     self.log(f"eval on the first {c.eval.problems} of {len(held)} examples of {c.eval_dataset} "
                              f"(eval.problems={c.eval.problems})")
