@@ -162,8 +162,26 @@ def test_a_field_set_twice_in_yaml_is_named_with_both_lines(tmp_path):
 
 
 def test_a_field_given_as_a_dotted_key_and_inside_its_group_is_refused(tmp_path):
-    """Regression: `loss.clip_low: 0.1` beside `loss: {clip_low: 0.3}` kept whichever came last."""
-    (tmp_path / "run.yaml").write_text("loss.clip_low: 0.1\nloss:\n  clip_low: 0.3\n")
-    with pytest.raises(ConfigError, match=r"run.yaml: 'loss.clip_low' is given twice, as a dotted key and inside "
-                                          r"its group; keep one$"):
-        build(TrainConfig, tmp_path / "run.yaml")
+    """Regression: `loss.clip_low: 0.1` beside `loss: {clip_low: 0.3}` kept whichever came last, and so did a
+    group written twice (`loss: {a}` ... `loss: {b}` dropped a). Keys that override what a merge brings, even
+    through merges of merges, are meant; an unhashable key keeps PyYAML's own error."""
+    cases = {
+        "dotted.yaml": ("loss.clip_low: 0.1\nloss:\n  clip_low: 0.3\n",
+                        "line 3, column 3: invalid YAML ('loss.clip_low' is set twice, as a dotted key and inside its "
+                        "group, first on line 1)"),
+        "groups.yaml": ("loss: {clip_low: 0.1}\nsteps: 2\nloss: {clip_high: 0.3}\n",
+                        "line 3, column 1: invalid YAML (duplicate key 'loss', first set on line 1)"),
+        "unhashable.yaml": ("? [a, b]\n: 1\n", "line 1, column 3: invalid YAML (while constructing a mapping found "
+                                                "unhashable key)"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as caught:
+            load_yaml(tmp_path / name)
+        assert str(caught.value) == f"{tmp_path / name}: {message}"
+    (tmp_path / "chained.yaml").write_text("common: &common {clip_low: 0.2, clip_high: 0.3}\npresets:\n"
+                                           "  strict: &strict\n    <<: *common\n    clip_low: 0.1\nloss:\n  <<: *strict\n")
+    assert load_yaml(tmp_path / "chained.yaml")["loss"] == {"clip_low": 0.1, "clip_high": 0.3}
+    (tmp_path / "top.yaml").write_text("base: &base\n  loss: {clip_low: 0.2}\n<<: *base\nloss.clip_low: 0.3\n")
+    assert {k: v for k, v in load_yaml(tmp_path / "top.yaml").items() if k != "base"} == {
+        "loss": {"clip_low": 0.2}, "loss.clip_low": 0.3}

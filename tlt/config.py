@@ -228,20 +228,62 @@ def _yaml_loader():
     text they still set a bool field (`_coerce` reads them)."""
     import yaml
 
+    merge_tag = "tag:yaml.org,2002:merge"
+
     class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            # PyYAML keeps the last of two equal keys; a config that sets a field twice is a mistake to name.
-            # Only the keys written in this mapping count: one that overrides a merged `<<: *base` is meant.
-            seen = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
+        """PyYAML keeps the last of two equal keys; a config that sets a field twice (the same key, or a
+        dotted key beside its group: `loss.clip_low` and `loss: {clip_low}`) is an error naming both lines.
+        Only keys as written count: one that overrides what a `<<: *base` merge brings is meant."""
+
+        def __init__(self, stream) -> None:
+            super().__init__(stream)
+            self.written: dict[int, list] = {}  # id(mapping node) -> its pairs before flattening, merges left out
+            self.checked: set[int] = set()
+
+        def pairs(self, node) -> list:
+            if id(node) not in self.written:
+                self.written[id(node)] = [(k, v) for k, v in node.value if k.tag != merge_tag]
+            return self.written[id(node)]
+
+        def flatten_mapping(self, node) -> None:
+            self.check_written(node)  # at first sight, before merges add their keys to node.value
+            super().flatten_mapping(node)
+
+        def paths(self, key_node, value_node, seen_nodes) -> list:
+            """(dotted path, its key node) for each field the pair sets, through nested mappings as written."""
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str):  # PyYAML names an unhashable key itself
+                return []
+            if not isinstance(value_node, yaml.MappingNode) or id(value_node) in seen_nodes:
+                return [(key, key_node)]
+            inner = seen_nodes | {id(value_node)}
+            return [(f"{key}.{path}", mark) for k, v in self.pairs(value_node) for path, mark in self.paths(k, v, inner)]
+
+        def check_written(self, node) -> None:
+            """Each mapping once, its nested mappings first: a key repeated inside a group is named as such
+            before the group's fields are compared with the dotted keys beside it."""
+            if id(node) in self.checked:
+                return
+            self.checked.add(id(node))
+            for _, value_node in self.pairs(node):
+                if isinstance(value_node, yaml.MappingNode):
+                    self.check_written(value_node)
+            error = yaml.constructor.ConstructorError
+            lines: dict[object, int] = {}
+            for key_node, _ in self.pairs(node):
                 key = self.construct_object(key_node, deep=True)
-                if isinstance(key, collections.abc.Hashable) and key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}, first set on line {seen[key] + 1}", key_node.start_mark)
-                seen.setdefault(key, key_node.start_mark.line)
-            return super().construct_mapping(node, deep)
+                if isinstance(key, collections.abc.Hashable):  # PyYAML names an unhashable key itself
+                    if key in lines:
+                        raise error(None, None, f"duplicate key {key!r}, first set on line {lines[key] + 1}",
+                                    key_node.start_mark)
+                    lines[key] = key_node.start_mark.line
+            paths: dict[str, int] = {}
+            for key_node, value_node in self.pairs(node):
+                for path, at in self.paths(key_node, value_node, {id(node)}):
+                    if path in paths:
+                        raise error(None, None, f"{path!r} is set twice, as a dotted key and inside its group, "
+                                                f"first on line {paths[path] + 1}", at.start_mark)
+                    paths[path] = at.start_mark.line
 
     bool_tag = "tag:yaml.org,2002:bool"
     Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
@@ -270,21 +312,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: line {mark.line + 1}, column {mark.column + 1}: invalid YAML ({what})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value at the top level")
-    _check_spelled_once(data, path)
     return data
-
-
-def _check_spelled_once(data: dict, path: Path, prefix: str = "") -> set[str]:
-    """The dotted keys a file's mapping sets; a field written both as a dotted key and inside its group
-    (`loss.clip_low: 0.1` beside `loss: {clip_low: 0.3}`) is an error, not whichever comes last."""
-    seen = set()
-    for key, value in data.items():
-        inner = (_check_spelled_once(value, path, f"{prefix}{key}.") if isinstance(value, dict)
-                 else {f"{prefix}{key}"})
-        for full in sorted(inner & seen):
-            raise ConfigError(f"{path}: {full!r} is given twice, as a dotted key and inside its group; keep one")
-        seen |= inner
-    return seen
 
 
 def build(cls: type[T], file: str | Path | None = None, overrides: list[str] = ()) -> T:
