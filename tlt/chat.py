@@ -36,9 +36,12 @@ def _check_messages(prompt: Any) -> None:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ConfigError(f"chat message {i} must be an object with 'role' and 'content', got {message!r:.80}")
         content = message["content"]
-        if isinstance(content, list):  # content parts, as multimodal datasets write them
+        if isinstance(content, list):  # content parts, as multimodal datasets write them; the template gets them
+            if not content:
+                raise ConfigError(f"chat message {i} has no content parts; give its text as a string")
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ConfigError(f"chat message {i} has a content part of type {kind!r} ({part!r:.60}); tlt's "
-                                      "policies read text only: give text parts ({'type': 'text', 'text': ...}) or a string")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ConfigError(f"chat message {i} has a content part {part!r:.60} that is not text "
+                                      "({'type': 'text', 'text': '...'}); tlt's policies read text only: give the "
+                                      "message's text as a string")
