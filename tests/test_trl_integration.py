@@ -143,6 +143,10 @@ def test_weights_loaded_into_the_policy_at_the_same_step_are_the_ones_sampled(tm
     assert not served()
     rollout(prompts[:1], trainer)
     assert served() and loads == [0, 0]
+    model.load_state_dict(tiny_hf_model("qwen2", seed=3).state_dict(), assign=True)  # new tensors, same counters
+    assert not served()
+    rollout(prompts[:1], trainer)
+    assert served() and loads == [0, 0, 0]
 
 
 def test_completions_stop_where_trl_counts_them_finished(tmp_path, policy_folder):

@@ -18,8 +18,8 @@ One call is
     optimizer step, once per `steps_per_generation` or reuses a generation `num_iterations` times;
     speculation leaves the distribution unchanged (lossless). The step, not the tensors, tells a
     change, as fused optimizers update weights without bumping their in-place version counters; the
-    counters tell the changes made at the same step (`load_best_model_at_end` loading a checkpoint into
-    the model, a user's `load_state_dict` between `train()` and `evaluate()`), which all bump them.
+    counters and identities tell the changes made at the same step (`load_best_model_at_end` loading a
+    checkpoint into the model, a user's `load_state_dict` between `train()` and `evaluate()`).
     tlt's parameter names are transformers' own, so the state dict needs no name map;
   - render: text is encoded as TRL encodes it, chat messages go through the trainer's tokenizer's
     chat template with `trainer.chat_template_kwargs` (tlt/chat.py);
@@ -61,7 +61,7 @@ class TrlRollout:
         # What the engine holds: (the policy module, the TrainerState of the train() call, its global
         # step, its parameters' version counters) when it was loaded, the first two weakly so that a
         # finished run's model can be freed.
-        self._loaded: tuple[weakref.ref, weakref.ref, int, tuple[int, ...]] | None = None
+        self._loaded: tuple[weakref.ref, weakref.ref, int, tuple | None] | None = None
         self._calls: dict[tuple[str, int], int] = {}  # rollouts so far per (mode, global step)
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
@@ -88,10 +88,10 @@ class TrlRollout:
             raise ConfigError("the trainer trains a PEFT adapter (peft_config), and tlt's engine holds full "
                               "weights; train the full model, or merge the adapter before rolling out with tlt")
         run, step = trainer.state, int(trainer.state.global_step)
-        versions = tuple(p._version for p in policy.parameters())  # bumped by every in-place write
+        versions = weights_stamp(policy)
         held = self._loaded
         if (held is None or held[0]() is not policy or held[1]() is not run or held[2] != step
-                or held[3] != versions):
+                or versions is None or held[3] != versions):
             self.engine.load_weights(full_state(trainer, policy), step)
             self._loaded = (weakref.ref(policy), weakref.ref(run), step, versions)
         return step
@@ -132,6 +132,17 @@ class TrlRollout:
         # this step's counts only (earlier steps' are never asked for again)
         self._calls = {**{k: v for k, v in self._calls.items() if k[1] == step}, (mode, step): n + 1}
         return random.Random(f"{seed}:{trainer.accelerator.process_index}:{mode}:{step}:{n}")
+
+
+def weights_stamp(policy) -> tuple | None:
+    """What tells a change of the policy's weights between two calls at one step: each parameter's identity
+    (`load_state_dict(assign=True)` puts new tensors in place) and version counter (every in-place write
+    bumps it; writes through `.data` do not, and pass unseen). None for inference tensors, which keep no
+    counter: the engine then loads the weights at every call."""
+    try:
+        return tuple((id(p), p._version) for p in policy.parameters())
+    except RuntimeError:
+        return None
 
 
 def full_state(trainer, policy) -> dict:
