@@ -251,3 +251,6 @@ def test_an_openrlhf_file_plugs_in_by_its_prompt_and_label_columns(model_dir, tm
                              (("label:answer", "level:answer"), "entry 'level:answer': each column and each name once")]:
         with pytest.raises(ConfigError, match=f"'reward_columns' {problem}"):
             tiny_config(model_dir, dataset=data, prompt_column="input", reward_columns=entries)
+    with pytest.raises(ConfigError, match=r"'reward_columns' \['label:answer'\] renames columns of a dataset file, "
+                                          r"and none is given"):
+        tiny_config(model_dir, reward_columns=("label:answer",))

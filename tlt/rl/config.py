@@ -192,6 +192,9 @@ class TrainConfig:
     def column_renames(self) -> dict[str, str]:
         """`reward_columns` as {dataset column: the reward's name for it}."""
         renames: dict[str, str] = {}
+        if self.reward_columns and not self.dataset:
+            raise FieldError("reward_columns", f"{list(self.reward_columns)} renames columns of a dataset file, and "
+                                               "none is given (dataset=); the built-in task's columns are its own")
         for entry in self.reward_columns:
             column, sep, name = str(entry).partition(":")
             if not sep or not column or not name.isidentifier():
