@@ -48,3 +48,22 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     assert both["speedup_command"] == ("tlt bench history --measure speedup --problems 4 --epochs 2 "
                                        f"--prompts-per-step 2 --group 2 --arms suffix-d8-v16 model={model} "
                                        "drafter.model=none reward=reward_fixtures:digit_fraction max_response_tokens=16")
+
+
+def test_acceptance_from_a_cold_start_drafts_with_the_drafter_as_it_learns(tmp_path):
+    """drafter.model=random: the drafter starts random and trains on the run's rollouts (drafter.train), and
+    the paired learned tree drafts with it as it learns, on the same samples as the suffix drafter."""
+    from tlt.cli import main
+
+    model = save_tiny_policy(tmp_path / "model")
+    out = tmp_path / "history.json"
+    assert main(["bench", "history", "--measure", "acceptance", "--problems", "4", "--epochs", "2",
+                 "--prompts-per-step", "2", "--group", "2", "--suffix", "suffix-d8-v16", "--paired",
+                 "ngram-d4,tree-d2-k2-v4", "--json", str(out), f"model={model}", "drafter.model=random",
+                 "drafter.train=every", "drafter.min_pairs=16", "drafter.holdout=0", "drafter.local_steps=2",
+                 "reward=reward_fixtures:digit_fraction", "max_response_tokens=16"]) == 0
+    result = json.loads(out.read_text())["acceptance"]
+    assert result["same_samples"]
+    versions = [r["drafter_version"] for r in result["rows"]]
+    assert versions == sorted(versions) and versions[-1] > versions[0]  # it learned during the run
+    assert all(r["tree-d2-k2-v4"]["row_steps"] > 0 for r in result["rows"])

@@ -10,7 +10,9 @@ run over `--problems` built-in problems (or the config's dataset) for `--epochs`
     every engine draws the same samples (checked, `same_samples`). Acceptance length (tokens per row per
     step) per epoch; `acceptance_suffix_vs_ngram` is the suffix drafter's over the n-gram drafter's from
     epoch 2 on (steps whose prompts were seen before), pooled over those steps' row-steps. Counts
-    tokens, not time: machine load does not matter.
+    tokens, not time: machine load does not matter. With drafter.model=random (a cold start) the
+    drafter starts random and trains on the run's rollouts as drafter.train says, and the paired
+    learned strategies draft with it as it learns (each row records its `drafter_version`).
   --measure speedup: two adaptive runs alternating step by step, the tuner's arms without and with the
     suffix arms (`--arms`); both draw the same samples (target-only arms; `matching_steps` counts the
     steps whose responses agree); `speedup_with_suffix_arms` is total rollout time without over with,
@@ -145,8 +147,12 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         if not Strategy.parse(name).target_only:
             raise ConfigError(f"--paired {name!r} does not verify target-only: its samples would differ")
     learned = Strategy.parse(suffix).uses_drafter
-    config = override(base, {"speculative": "on", "strategy": suffix, "drafter.train": "off",
-                             "drafter.model": base.drafter.model if learned else None})
+    # drafter.model=random is a cold start: the drafter starts random and learns from the run's rollouts as
+    # configured (drafter.train), and the paired learned strategies draft with it as it learns
+    cold = base.drafter.model == "random"
+    config = override(base, {"speculative": "on", "strategy": suffix,
+                             "drafter.train": base.drafter.train if cold else "off",
+                             "drafter.model": base.drafter.model if learned or cold else None})
     trainer = GRPOTrainer(config, log=lambda *_: None)
     if trainer.engine is None:
         raise ConfigError("the acceptance measurement runs in-process (workers=1)")
@@ -169,7 +175,7 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         record = trainer.rollout_backend.rollouts[-1]
         row = {"step": step + 1, "epoch": epoch_of(step, config.prompts_per_step, problems),
                "reward": metrics["reward"], "history_hit_rate": metrics.get("history_hit_rate"),
-               "history_bytes": metrics.get("history_bytes"), **{
+               "history_bytes": metrics.get("history_bytes"), "drafter_version": metrics.get("drafter_version"), **{
                    name: {"tokens": r["counts"][0], "row_steps": r["counts"][1],
                           "acceptance_length": r["counts"][0] / max(r["counts"][1], 1), "sources": r["sources"],
                           **({"same_samples": r["same_samples"]} if "same_samples" in r else {})}
