@@ -410,6 +410,15 @@ inline void prefetch_rows(const KV* p, int64_t stride, int64_t from, int64_t to,
     _mm_prefetch(c, static_cast<_mm_hint>(hint));
 }
 
+// Packed keys (a bf16 cache's keys kept as pack_keys would pack them, tlt/model/kv_cache.py `packed_keys`): each
+// GROUP slots of a [C, D] key plane (C a multiple of GROUP) are a weight group of D / 2 pairs, pair p of slot s the
+// 32-bit word key_word(s, p, D / 2) of the plane, so the attention's scores read the keys as they lie instead of
+// packing every cached key each call (twelve layers, `kernel_ab.py --old-keys natural`: bench policy, 0.92-0.93x the
+// attention's time at 32 rows x 800 cached tokens, one or nine tokens a row, 0.86-0.88x at 16 x 1,500; 32 query heads
+// over 8 kv heads of 128, one token a row, 0.71-0.74x). Ahead has fetched the task's keys and values into L2 already:
+// prefetching the next group of keys or this group's values as the scores run gains nothing more.
+inline int64_t key_word(int64_t s, int64_t p, int64_t pairs) { return (s / GROUP * pairs + p) * GROUP + s % GROUP; }
+
 // Keys [S, D] (bf16, or float32 holding bf16 values; row stride ks) packed as linear's weights, one key per
 // output column: packed[g][p][c] = the pair (2p, 2p + 1) of key 32 g + c, zero past S and from pair D / 2 to
 // `pairs` (the tiles' 16-pair steps); sixteen keys by sixteen pairs transposed at a time. The values [S, D]
@@ -423,7 +432,7 @@ TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, int64_t pai
   for (int64_t s0 = 0; s0 < S; s0 += 16) {
     prefetch_rows(k, ks, s0 + KV_AHEAD, s0 + KV_AHEAD + 16, S, D, _MM_HINT_T0);
     prefetch_rows(v, vs, s0 + KV_AHEAD, s0 + KV_AHEAD + 16, S, D, _MM_HINT_T1);
-    uint32_t* group = packed + (s0 / GROUP) * pairs * GROUP + s0 % GROUP;
+    uint32_t* group = packed + key_word(s0, 0, pairs);
     for (int64_t p0 = 0; p0 < used; p0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i)
@@ -435,17 +444,8 @@ TARGET void pack_keys(const KV* k, int64_t ks, int64_t S, int64_t D, int64_t pai
   }
   if (S % GROUP != 0 && S % GROUP <= 16)  // the last group's second half: keys past S
     for (int64_t p = 0; p < pairs; ++p)
-      _mm512_storeu_si512(packed + (S / GROUP * pairs + p) * GROUP + 16, _mm512_setzero_si512());
+      _mm512_storeu_si512(packed + key_word(S / GROUP * GROUP + 16, p, pairs), _mm512_setzero_si512());
 }
-
-// Packed keys (a bf16 cache's keys kept as pack_keys would pack them, tlt/model/kv_cache.py `packed_keys`): each
-// GROUP slots of a [C, D] key plane (C a multiple of GROUP) are a weight group of D / 2 pairs, pair p of slot s the
-// 32-bit word key_word(s, p, D / 2) of the plane, so the attention's scores read the keys as they lie instead of
-// packing every cached key each call (twelve layers, `kernel_ab.py --old-keys natural`: bench policy, 0.92-0.93x the
-// attention's time at 32 rows x 800 cached tokens, one or nine tokens a row, 0.86-0.88x at 16 x 1,500; 32 query heads
-// over 8 kv heads of 128, one token a row, 0.71-0.74x). Ahead has fetched the task's keys and values into L2 already:
-// prefetching the next group of keys or this group's values as the scores run gains nothing more.
-inline int64_t key_word(int64_t s, int64_t p, int64_t pairs) { return (s / GROUP * pairs + p) * GROUP + s % GROUP; }
 
 // Sixteen dimensions of two neighbouring slots' values in the paired layout (below) as float32: the even slot's
 // are the 32-bit lanes' low halves, the odd slot's their high halves.
@@ -959,7 +959,7 @@ TARGET void attend_rows(const uint16_t* q, int64_t qs, int64_t R, const KV* k, i
     alignas(64) float acc[AMX_ROWS * GROUP];
     int64_t configured = 0;
     for (int64_t s0 = 0; s0 < S; s0 += GROUP) {
-      const uint16_t* group = reinterpret_cast<const uint16_t*>(packed + (s0 / GROUP) * pairs * GROUP);
+      const uint16_t* group = reinterpret_cast<const uint16_t*>(packed + key_word(s0, 0, pairs));
       for (int64_t r0 = 0, rows = 0; r0 < R; r0 += rows) {
         if (tiles && !packed_keys) {
           rows = std::min(AMX_ROWS, R - r0);
