@@ -281,8 +281,8 @@ class KVCache:
                 slot_view(buf, g)[rows, :, slots // g, slots % g] = new.unflatten(-1, (-1, 2))
             # the usual layout for the operator path, of the slots it reads (whole units of the layout)
             whole = buf[:, :, : -(-end // g) * g]
-            out.append(whole if g == 1 else slot_view(whole, g).reshape(whole.shape))
-        return out[0][:, :, :end], out[1][:, :, :end]
+            out.append(whole if g == 1 else slot_view(whole, g).reshape(whole.shape)[:, :, :end])
+        return out[0], out[1]
 
     def buffers(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For a kernel that writes T new tokens itself, at slots lengths[b] .. lengths[b]+T-1 of row b:
