@@ -249,15 +249,19 @@ def _yaml_loader():
             self.check_written(node)  # at first sight, before merges add their keys to node.value
             super().flatten_mapping(node)
 
-        def paths(self, key_node, value_node, seen_nodes) -> list:
-            """(dotted path, its key node) for each field the pair sets, through nested mappings as written."""
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, str):  # PyYAML names an unhashable key itself
-                return []
-            if not isinstance(value_node, yaml.MappingNode) or id(value_node) in seen_nodes:
-                return [(key, key_node)]
-            inner = seen_nodes | {id(value_node)}
-            return [(f"{key}.{path}", mark) for k, v in self.pairs(value_node) for path, mark in self.paths(k, v, inner)]
+        def fields(self, node, seen: set[int]) -> list:
+            """(dotted path, its key node) of each field a mapping sets as written, through nested mappings
+            (`seen`: the mapping nodes on the way, so an alias of an enclosing one ends the walk)."""
+            out = []
+            for key_node, value_node in self.pairs(node):
+                key = self.construct_object(key_node, deep=True)  # cached by PyYAML: built once per node
+                if not isinstance(key, str):  # PyYAML names an unhashable key itself
+                    continue
+                if isinstance(value_node, yaml.MappingNode) and id(value_node) not in seen:
+                    out += [(f"{key}.{path}", at) for path, at in self.fields(value_node, seen | {id(value_node)})]
+                else:
+                    out.append((key, key_node))
+            return out
 
         def check_written(self, node) -> None:
             """Each mapping once, its nested mappings first: a key repeated inside a group is named as such
@@ -278,12 +282,11 @@ def _yaml_loader():
                                     key_node.start_mark)
                     lines[key] = key_node.start_mark.line
             paths: dict[str, int] = {}
-            for key_node, value_node in self.pairs(node):
-                for path, at in self.paths(key_node, value_node, {id(node)}):
-                    if path in paths:
-                        raise error(None, None, f"{path!r} is set twice, as a dotted key and inside its group, "
-                                                f"first on line {paths[path] + 1}", at.start_mark)
-                    paths[path] = at.start_mark.line
+            for path, at in self.fields(node, {id(node)}):
+                if path in paths:
+                    raise error(None, None, f"{path!r} is set twice, as a dotted key and inside its group, "
+                                            f"first on line {paths[path] + 1}", at.start_mark)
+                paths[path] = at.start_mark.line
 
     bool_tag = "tag:yaml.org,2002:bool"
     Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
