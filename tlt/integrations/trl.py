@@ -59,8 +59,8 @@ class TrlRollout:
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         # What the engine holds: (the policy module, the TrainerState of the train() call, its global
-        # step, its parameters' version counters) when it was loaded, the first two weakly so that a
-        # finished run's model can be freed.
+        # step, its weights_stamp) when it was loaded, the first two weakly so that a finished run's
+        # model can be freed.
         self._loaded: tuple[weakref.ref, weakref.ref, int, tuple | None] | None = None
         self._calls: dict[tuple[str, int], int] = {}  # rollouts so far per (mode, global step)
 
