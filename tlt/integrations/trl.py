@@ -36,8 +36,10 @@ What tlt cannot honour is refused with the setting named rather than ignored, si
 train on a distribution the user did not ask for: sampling settings tlt does not implement (min_p,
 repetition_penalty, generation_kwargs), tools (TRL would continue tool turns with its own generation
 from prompts tlt rendered without the tools), vLLM (its weight syncs would be wasted and its
-settings unused), PEFT adapters (the engine holds full weights), and DeepSpeed ZeRO-3 and FSDP1 (their
-sharded parameters are placeholders outside their own gathering contexts); FSDP2's are gathered.
+settings unused), and DeepSpeed ZeRO-3 and FSDP1 (their sharded parameters are placeholders outside
+their own gathering contexts); FSDP2's are gathered. A PEFT LoRA policy (`GRPOTrainer(peft_config=...)`)
+is served merged: the engine holds base weights plus the adapters' deltas, computed at each sync without
+touching the trainer's weights (`lora_merged_state`); other adapter kinds are refused by name.
 """
 
 from __future__ import annotations
@@ -84,15 +86,14 @@ class TrlRollout:
         """Load the trainer's current policy into the engine unless the engine already holds it, and
         return the version it holds (the trainer's global step)."""
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        if hasattr(policy, "peft_config"):
-            raise ConfigError("the trainer trains a PEFT adapter (peft_config), and tlt's engine holds full "
-                              "weights; train the full model, or merge the adapter before rolling out with tlt")
         run, step = trainer.state, int(trainer.state.global_step)
         versions = weights_stamp(policy)
         held = self._loaded
         if (held is None or held[0]() is not policy or held[1]() is not run or held[2] != step
                 or versions is None or held[3] != versions):
-            self.engine.load_weights(full_state(trainer, policy), step)
+            check_sharding(trainer)
+            state = lora_merged_state(policy) if hasattr(policy, "peft_config") else policy.state_dict()
+            self.engine.load_weights({k: whole(v) for k, v in state.items()}, step)
             self._loaded = (weakref.ref(policy), weakref.ref(run), step, versions)
         return step
 
@@ -145,13 +146,18 @@ def weights_stamp(policy) -> tuple | None:
         return None
 
 
-def full_state(trainer, policy) -> dict:
-    """The policy's whole weights by name. Under FSDP2 each parameter is a DTensor holding this process's
-    shard; `full_tensor` gathers it, a collective every process runs here at the same calls (they sync
-    at the same steps). DeepSpeed ZeRO-3 and FSDP1 keep parameters behind placeholders that only their
-    own gathering contexts fill: refused by name rather than copied as empty tensors."""
+def whole(tensor):
+    """A tensor as a whole: under FSDP2 a parameter is a DTensor holding this process's shard, and
+    `full_tensor` gathers it, a collective every process runs at the same calls (they sync at the same
+    steps)."""
     from torch.distributed.tensor import DTensor
 
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def check_sharding(trainer) -> None:
+    """Refuse the shardings whose weights cannot be copied: DeepSpeed ZeRO-3 and FSDP1 keep parameters
+    behind placeholders that only their own gathering contexts fill, which copied would be empty tensors."""
     state = getattr(trainer.accelerator, "state", None)
     deepspeed = getattr(state, "deepspeed_plugin", None)
     fsdp = getattr(state, "fsdp_plugin", None)
@@ -161,7 +167,74 @@ def full_state(trainer, policy) -> dict:
     if fsdp is not None and getattr(fsdp, "fsdp_version", 1) == 1:
         raise ConfigError("the trainer shards the policy with FSDP1, whose flat parameters tlt's rollout_func cannot "
                           "copy; use FSDP2 (fsdp_version: 2), whose weights it gathers, or DeepSpeed ZeRO stage 2")
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in policy.state_dict().items()}
+
+
+def lora_merged_state(policy) -> dict:
+    """The weights a PEFT LoRA policy computes with, by the base model's own names: each adapted layer's
+    base weight plus its active, unmerged adapters' deltas (B A times the scaling, as PEFT's merge adds
+    them; with `lora_bias`, B's bias too), a module under `modules_to_save` as its active trained copy.
+    Computed beside the trainer's weights, which stay as they are: merging in place and back would leave
+    bf16 base weights rounded differently after every sync. What the merge cannot express is refused by
+    name: prompt-learning and other non-LoRA adapters, LoRA variants (DoRA and others), adapters on
+    quantized or non-Linear/Embedding layers, trainable-token wrappers."""
+    from torch import nn
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    adapters = policy.active_adapters
+    kinds = {name: str(getattr(policy.peft_config[name].peft_type, "value", policy.peft_config[name].peft_type))
+             for name in adapters}
+    others = {name: kind for name, kind in kinds.items() if kind != "LORA"}
+    if others:
+        raise ConfigError(f"the trainer trains PEFT adapters {others}; tlt's rollout_func merges LoRA adapters only")
+    state: dict = {}
+
+    def adapted(module, path: str) -> None:
+        base, where = module.get_base_layer(), path.rstrip(".")
+        if type(base) not in (nn.Linear, nn.Embedding):
+            raise ConfigError(f"the LoRA adapter at {where} wraps a {type(base).__name__}; tlt's rollout_func "
+                              "merges adapters on plain Linear and Embedding layers (not quantized ones)")
+        weight, bias = whole(base.weight.detach()), getattr(base, "bias", None)
+        bias = None if bias is None else whole(bias.detach())
+        if not module.disable_adapters:
+            for name in module.active_adapters:
+                if name in module.merged_adapters or name not in module.scaling:
+                    continue  # already in the base weight, or not an adapter of this layer
+                variant = getattr(module, "lora_variant", {}).get(name)
+                if variant is not None or getattr(module, "use_dora", {}).get(name):
+                    kind = type(variant).__name__ if variant is not None else "DoRA"
+                    raise ConfigError(f"the LoRA adapter {name!r} at {where} is a {kind}; tlt's rollout_func "
+                                      "merges plain LoRA adapters only")
+                weight = weight + whole(module.get_delta_weight(name).detach())
+                if getattr(module, "lora_bias", {}).get(name):
+                    if bias is None:
+                        raise ConfigError(f"the LoRA adapter {name!r} at {where} adds a bias (lora_bias) to a layer "
+                                          "without one, which the base model cannot hold; target layers with a bias")
+                    bias = bias + whole(module.lora_B[name].bias.detach()) * module.scaling[name]
+        state[f"{path}weight"] = weight
+        if bias is not None:
+            state[f"{path}bias"] = bias
+
+    def walk(module, path: str) -> None:
+        if isinstance(module, LoraLayer):
+            return adapted(module, path)
+        if isinstance(module, ModulesToSaveWrapper):
+            active = [a for a in module.active_adapters if a in module.modules_to_save]
+            trained = not module.disable_adapters and active
+            return walk(module.modules_to_save[active[0]] if trained else module.original_module, path)
+        if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            raise ConfigError(f"the PEFT layer at {path.rstrip('.') or 'the model'} is a {type(module).__name__}; tlt's "
+                              "rollout_func merges LoRA layers and modules_to_save only")
+        skipped = getattr(module, "_non_persistent_buffers_set", set())
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if name not in skipped:
+                state[path + name] = tensor.detach()
+        for name, child in module.named_children():
+            walk(child, f"{path}{name}.")
+
+    walk(policy.get_base_model(), "")
+    return state
 
 
 def make_rollout_func(model_path_or_engine: str | os.PathLike | RolloutEngine, **engine_options) -> TrlRollout:

@@ -91,11 +91,13 @@ class RolloutEngine:
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
             raise ConfigError(f"load_weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in state.items():
+            if tensor.shape != own[name].shape:
+                raise ConfigError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                                  f"the engine's model has {tuple(own[name].shape)}")
+        check_tied(own, state)
         with torch.no_grad():
             for name, tensor in state.items():
-                if tensor.shape != own[name].shape:
-                    raise ConfigError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
-                                      f"the engine's model has {tuple(own[name].shape)}")
                 own[name].copy_(tensor)
         self.weights_version = int(version)
 
@@ -290,3 +292,21 @@ class RolloutEngine:
         seqs = [Sequence(request_id, j, prompt, params, rng.sequence_key(seed, j), stop, max_new, state=states[j])
                 for j in range(params.n)]
         return Group(request_id, prompt, seqs)
+
+
+def check_tied(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """Names of the engine's model that share one tensor (tied embedding and head) must be given equal
+    weights: copied one after the other, the last would silently win. A policy whose embedding carries a
+    LoRA delta while its tied head does not is such a case."""
+    names: dict[tuple, list[str]] = {}
+    for name, tensor in own.items():
+        names.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape), []).append(name)
+    for group in (g for g in names.values() if len(g) > 1):
+        first = state[group[0]]
+        for name in group[1:]:
+            other = state[name]
+            same = (other.data_ptr() == first.data_ptr() and other.stride() == first.stride()
+                    and other.dtype == first.dtype)
+            if not same and not torch.equal(other, first.to(other.dtype)):
+                raise ConfigError(f"load_weights: the engine's model ties {group[0]} and {name} (one tensor), "
+                                  "and the weights given for them differ")
