@@ -108,6 +108,26 @@ def test_the_merged_state_is_what_the_adapter_computes():
         torch.testing.assert_close(merged[name], tensor, atol=1e-6, rtol=1e-6)
 
 
+def test_an_adapter_added_through_transformers_is_merged_too():
+    """transformers' own adapter support (`model.add_adapter`) records the config in `model.peft_config` and
+    injects LoRA layers into the model with `peft.inject_adapter_in_model`, without a PeftModel around it
+    (done here as it does, since transformers 5.25 asks for a newer PEFT than the index holds); the merged
+    state computes what the adapted model computes."""
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    model, config = tiny_hf_model("qwen2", seed=2), lora_config()
+    model = peft.inject_adapter_in_model(config, model)
+    model.peft_config = {"default": config}
+    plain = tiny_hf_model("qwen2", seed=2)
+    plain.load_state_dict(lora_merged_state(model))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(plain(ids).logits, tiny_hf_model("qwen2", seed=2)(ids).logits, atol=1e-3)
+    for layer in model.modules():
+        if isinstance(layer, peft.tuners.lora.LoraLayer):
+            layer.enable_adapters(False)  # what model.disable_adapters() does
+    assert all(torch.equal(lora_merged_state(model)[k], v) for k, v in tiny_hf_model("qwen2", seed=2).state_dict().items())
+
+
 def test_adapters_the_merge_cannot_express_are_refused_by_name(tmp_path, policy_folder):
     policy, folder, _, _ = policy_folder
     rollout = make_rollout_func(folder)

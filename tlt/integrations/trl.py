@@ -178,11 +178,16 @@ def lora_merged_state(policy) -> dict:
     name: prompt-learning and other non-LoRA adapters, LoRA variants (DoRA and others), adapters on
     quantized or non-Linear/Embedding layers, trainable-token wrappers."""
     from torch import nn
+    from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-    adapters = policy.active_adapters
+    if isinstance(policy, PeftModel):
+        model, adapters = policy.get_base_model(), policy.active_adapters
+    else:  # a transformers model holding adapters it added itself (add_adapter, load_adapter): its layers know
+        model = policy  # which are active
+        adapters = sorted({a for m in policy.modules() if isinstance(m, BaseTunerLayer) for a in m.active_adapters})
     kinds = {name: str(getattr(policy.peft_config[name].peft_type, "value", policy.peft_config[name].peft_type))
              for name in adapters}
     others = {name: kind for name, kind in kinds.items() if kind != "LORA"}
@@ -233,7 +238,7 @@ def lora_merged_state(policy) -> dict:
         for name, child in module.named_children():
             walk(child, f"{path}{name}.")
 
-    walk(policy.get_base_model(), "")
+    walk(model, "")
     return state
 
 
