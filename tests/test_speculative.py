@@ -241,7 +241,7 @@ def test_strategy_names_round_trip_and_validation():
     for name in ("off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "tree-d4-k2-v8-p20"):
         assert Strategy.parse(name).name == name
     assert Strategy.parse("tree-d4-k2-v8-p20").prune == 20 and Strategy.parse("tree-d4-k2-v8").prune == 0
-    for bad in ("chain-d4-p20", "hybrid-d4-k2-v8-p20", "tree-d4-k2-v8-p100"):
+    for bad in ("chain-d4-p20", "ngram-d4-p20", "tree-d4-k2-v8-p100"):
         with pytest.raises(tlt.ConfigError, match="prune"):
             Strategy.parse(bad)
     # only verify.walk's strategies draw with plain sampling's uniforms whatever the drafts

@@ -123,6 +123,33 @@ def test_sources_disagreeing_make_branches_ordered_by_frequency():
     assert tokens[:2] == [4, 3] and parents[:2] == [0, 0]  # 4 followed twice, 3 once
 
 
+def test_a_floor_keeps_the_nodes_the_sources_agree_on():
+    """With a floor, the draft holds the nodes whose path frequency reaches it: 4 follows [1, 2] in two of
+    three histories, 3 in one."""
+    prompt = [5]
+    index = SuffixIndex(prompt, history=[[1, 2, 3], [1, 2, 4], [1, 2, 4]])
+    text = prompt + [1, 2]
+    index.add(text, len(prompt))
+    assert index.tree(text, 4, 8, floor=0.5)[:2] == ([4], [0])
+    assert index.tree(text, 4, 8, floor=0.3)[:2] == ([4, 3], [0, 0])
+    assert index.tree(text, 4, 8, floor=0.7)[0] == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(streams, st.integers(1, 6), st.integers(1, 12), st.floats(0.01, 0.99))
+def test_a_floored_tree_is_the_first_nodes_of_the_unfloored_one(texts, depth, budget, floor):
+    """Nodes come best path score first and a child scores at most its parent, so a floor cuts the
+    unfloored tree's node list short and never reorders it."""
+    own = texts[0]
+    sam = SuffixAutomaton.of(texts)
+    last = state_of(sam, own) if own else 0
+    sources = [Source(sam, last, len(own), 0)]
+    whole = draft_tree(sources, depth, budget)
+    cut = draft_tree(sources, depth, budget, floor=floor)
+    n = len(cut[0])
+    assert cut[0] == whole[0][:n] and cut[1] == whole[1][:n] and cut[2] == whole[2][:n] and cut[3] == whole[3]
+
+
 def test_per_kind_counts_name_the_source():
     sam = SuffixAutomaton()
     p = sam.insert([1, 2], 0, 0, PROMPT)

@@ -15,7 +15,7 @@ from tlt.speculative.history import HistoryDrafts
 from test_speculative import (VOCAB, chi_square_pvalue, engine, exact_three_token_distribution, random_target,
                               tokens_of)
 
-STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8"]
+STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8", "suffix-d8-v16-p30", "hybrid-d3-k2-v8-p20"]
 
 
 def least_likely_continuations(target, prompt, length, count):
@@ -119,8 +119,12 @@ def test_sampling_with_an_adversarial_history_is_exact():
 
 
 def test_strategy_names_of_the_new_arms():
-    for name in ("suffix-d16-v32", "hybrid-d4-k2-v16"):
+    for name in ("suffix-d16-v32", "hybrid-d4-k2-v16", "suffix-d16-v32-p20", "hybrid-d4-k2-v16-p10"):
         assert Strategy.parse(name).name == name and Strategy.parse(name).target_only
+    assert Strategy.parse("hybrid-d4-k2-v16-p10").learned_tree.name == "tree-d4-k2-v16-p10"
+    for refused in ("ngram-d4-p20", "suffix-d16-v32-p100"):
+        with pytest.raises(tlt.ConfigError, match="prune"):
+            Strategy.parse(refused)
     assert Strategy.parse("hybrid-d4-k2-v16").uses_drafter and not Strategy.parse("suffix-d16-v32").uses_drafter
     with pytest.raises(tlt.ConfigError):
         Strategy.parse("hybrid-d8-k2-v4")

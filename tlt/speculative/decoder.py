@@ -284,7 +284,8 @@ class SpeculativeDecoder:
         the strategy's depth take the learned drafter's tree instead (one drafter pass for the batch)."""
         hybrid = strategy.kind == "hybrid"
         depth = strategy.verify_tokens if hybrid else strategy.depth
-        trees = [s.state.index.tree(s.state.text, depth, strategy.verify_tokens) for s in batch.seqs]
+        floor = strategy.prune / 100
+        trees = [s.state.index.tree(s.state.text, depth, strategy.verify_tokens, floor) for s in batch.seqs]
         rows = [(tokens, parents) for tokens, parents, _, _ in trees]
         names = [n for _, _, n, _ in trees]
         short = [b for b, (_, _, _, matched) in enumerate(trees) if max_depth_for(matched, depth) <= strategy.depth]

@@ -10,9 +10,11 @@ target-only), "ngram" (the
 model-free drafter: continuation of the longest suffix match in the prompt, the sequence itself and
 its sibling samples, up to `depth` tokens; verified target-only), "suffix" (the suffix drafter,
 suffix.py: a tree of up to `verify_tokens` nodes and `depth` levels from the longest suffix match over
-the prompt, the sequence, its siblings and the prompt's earlier responses; verified target-only),
-"hybrid" (per row, the suffix tree where its match earns a draft deeper than `depth`, else the learned
-drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in one verification; target-only).
+the prompt, the sequence, its siblings and the prompt's earlier responses, and with `prune` P > 0 only
+the nodes whose path the sources' counts give at least P%, so a row's draft grows with the sources'
+agreement; verified target-only), "hybrid" (per row, the suffix tree where its match earns a draft
+deeper than `depth`, else the learned drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in
+one verification, `prune` applying to both; target-only).
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ class Strategy:
     depth: int = 6
     topk: int = 4
     verify_tokens: int = 24
-    prune: int = 0  # tree only: the least drafter path probability, in percent, a verified node needs (0: none)
+    prune: int = 0  # the least path probability (the drafter's, or the suffix sources'), in percent, a verified node needs
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"Strategy field 'kind' must be one of {KINDS}, got {self.kind!r}")
-        if self.prune and (self.kind != "tree" or not 0 < self.prune < 100):
-            raise ConfigError(f"Strategy field 'prune' is a percent from 1 to 99 for a tree draft, got {self.prune} "
-                              f"for {self.kind!r}")
+        if self.prune and (self.kind not in ("tree", "suffix", "hybrid") or not 0 < self.prune < 100):
+            raise ConfigError(f"Strategy field 'prune' is a percent from 1 to 99 for a tree, suffix or hybrid draft, "
+                              f"got {self.prune} for {self.kind!r}")
         for name in ("depth", "topk", "verify_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"Strategy field {name!r} must be >= 1, got {getattr(self, name)}")
@@ -82,7 +84,7 @@ class Strategy:
     def learned_tree(self) -> "Strategy":
         """The learned drafter's tree of the same depth, branching and size (what a hybrid row falls
         back to where its suffix match is short)."""
-        return Strategy("tree", self.depth, self.topk, self.verify_tokens)
+        return Strategy("tree", self.depth, self.topk, self.verify_tokens, self.prune)
 
     @property
     def target_only(self) -> bool:
@@ -94,11 +96,11 @@ class Strategy:
     def name(self) -> str:
         if self.kind == "off":
             return "off"
+        pruned = f"-p{self.prune}" if self.prune else ""
         if self.kind in ("tree", "hybrid"):
-            pruned = f"-p{self.prune}" if self.prune else ""
             return f"{self.kind}-d{self.depth}-k{self.topk}-v{self.verify_tokens}{pruned}"
         if self.kind == "suffix":
-            return f"suffix-d{self.depth}-v{self.verify_tokens}"
+            return f"suffix-d{self.depth}-v{self.verify_tokens}{pruned}"
         return f"{self.kind}-d{self.depth}"
 
     @classmethod
@@ -111,7 +113,7 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "tree-d4-k2-v8-p20",
-        "suffix-d16-v32", "hybrid-d4-k2-v16"."""
+        "suffix-d16-v32", "suffix-d16-v32-p20", "hybrid-d4-k2-v16"."""
         parts = text.split("-")
         fields = {"d": "depth", "k": "topk", "v": "verify_tokens", "p": "prune"}
         kwargs = {}

@@ -172,11 +172,12 @@ def max_depth_for(matched: int, cap: int) -> int:
     return max(0, min(cap, math.ceil(matched * DEPTH_PER_MATCHED_TOKEN)))
 
 
-def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: int = 1
+def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: int = 1, floor: float = 0.0
                ) -> tuple[list[int], list[int], list[str], int]:
-    """The best `budget` continuation nodes up to `max_depth` deep. Returns (tokens, parents, names,
-    matched): node i + 1 has token tokens[i] and parent parents[i] (0: the root, the row's last token),
-    parents before children; names[i] is the node's source; matched is the longest match."""
+    """The best `budget` continuation nodes up to `max_depth` deep, of those whose path score (the product
+    of the match-weighted continuation frequencies along it) is at least `floor`. Returns (tokens, parents,
+    names, matched): node i + 1 has token tokens[i] and parent parents[i] (0: the root, the row's last
+    token), parents before children; names[i] is the node's source; matched is the longest match."""
     start = []
     for src in sources:
         state, matched = src.sam.backoff(src.state, src.matched)
@@ -213,7 +214,7 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
 
     views_of = {0: [(src, state, matched) for src, state, matched in start]}
     push_children(0, 0, 1.0, views_of[0])
-    while heap and len(tokens) < budget:
+    while heap and len(tokens) < budget and -heap[0][0] >= floor:  # a child scores at most its parent
         neg, _, parent, depth, tok, name = heapq.heappop(heap)
         tokens.append(tok)
         parents.append(parent)
@@ -298,6 +299,7 @@ class SuffixIndex:
             out.append(Source(self.window, entry[4], entry[5], -1, ("window",) * len(KIND_NAMES)))
         return out
 
-    def tree(self, text: list[int], max_depth: int, budget: int) -> tuple[list[int], list[int], list[str], int]:
+    def tree(self, text: list[int], max_depth: int, budget: int, floor: float = 0.0
+             ) -> tuple[list[int], list[int], list[str], int]:
         """draft_tree over this row's sources."""
-        return draft_tree(self.sources(text), max_depth, budget, self.min_match)
+        return draft_tree(self.sources(text), max_depth, budget, self.min_match, floor)
