@@ -13,7 +13,12 @@ from rl_fixtures import save_tiny_policy
 def test_epochs_and_counts():
     assert [epoch_of(s, 8, 64) for s in (0, 7, 8, 31)] == [1, 1, 2, 4]
     stats = RolloutStats(step_tokens=[3, 8, 2], batch_sizes=[2, 4, 1], strategies=["off", "suffix-d8-v16", "ngram-d4"])
-    assert counts(stats) == (10, 5)
+    assert counts(stats) == (10, 5, 0)  # a record made without draft counts counts none
+    stats = RolloutStats(step_tokens=[3, 8, 2], batch_sizes=[2, 4, 1], strategies=["off", "suffix-d8-v16", "ngram-d4"],
+                         step_drafted=[0, 20, 3])
+    assert counts(stats) == (10, 5, 23)
+    assert stats.drafted_per_row_step() == {"ngram-d4": 3.0, "suffix-d8-v16": 5.0}
+    assert RolloutStats.from_dict(stats.as_dict()).step_drafted == [0, 20, 3]
 
 
 def test_both_measurements_merge_into_one_json(tmp_path):
@@ -33,6 +38,8 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     assert result["acceptance_epoch_2_on"]["suffix-d8-v16"] / result["acceptance_epoch_2_on"]["ngram-d4"] == \
         result["ratio"]
     assert "history" in result["suffix_sources_epoch_2_on"]
+    drafted = result["drafted_per_row_step_epoch_2_on"]
+    assert 0 < drafted["ngram-d4"] <= 4 and 0 < drafted["suffix-d4-v4"] <= 4 and 0 < drafted["suffix-d8-v16"] <= 16
     assert first["acceptance_command"].startswith("tlt bench history --measure acceptance --problems 4")
     assert main(["bench", "history", "--measure", "speedup", "--arms", "suffix-d8-v16", *shared]) == 0
     both = json.loads(out.read_text())

@@ -127,7 +127,7 @@ def test_decoder_states_are_the_decoders(system):
 
 
 ENGINE_STATS_KEYS = {"steps", "prefill_tokens", "decode_tokens", "wall_time_s", "mean_step_time_s", "tokens_per_s",
-                     "step_times_s", "batch_sizes", "strategies", "step_tokens", "acceptance_length", "draft_sources"}
+                     "step_times_s", "batch_sizes", "strategies", "step_tokens", "step_drafted", "acceptance_length", "draft_sources"}
 
 
 def test_engine_stats_keep_their_keys_and_round_trip():

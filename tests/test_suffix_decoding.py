@@ -79,6 +79,21 @@ def test_sampled_suffix_drafts_reproduce_plain_sampling(strategy, history, dtype
         assert sources["history"][2] > 0  # history drafts were accepted, not only proposed
 
 
+def test_each_step_counts_the_draft_tokens_it_verified():
+    """The cost side of acceptance: an unpruned tree verifies all its nodes every row, a chain at most its
+    depth, a suffix tree at most its budget."""
+    target = random_target(seed=3)
+    prompts = [[3, 4, 5, 3, 4], [7, 8, 7, 8]]
+    params = tlt.SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=2, ignore_eos=True)
+    for strategy, fits in [("tree-d4-k2-v8", lambda d, b: d == 8 * b), ("ngram-d4", lambda d, b: d <= 4 * b),
+                           ("suffix-d8-v16-p30", lambda d, b: d <= 16 * b)]:
+        spec = engine(target, strategy, Drafter.from_target(target, seed=1))
+        spec.generate(prompts, params, history=histories(target, prompts, params, "plain"))
+        stats = spec.rollout_stats
+        assert len(stats.step_drafted) == len(stats.step_tokens) and sum(stats.step_drafted) > 0
+        assert all(fits(d, b) for d, b in zip(stats.step_drafted, stats.batch_sizes)), strategy
+
+
 def test_history_of_the_same_samples_is_accepted_whole():
     """A history holding the very responses about to be sampled drafts them: long acceptance."""
     target = random_target(seed=2)

@@ -98,10 +98,12 @@ def epoch_of(step: int, prompts_per_step: int, problems: int) -> int:
     return step * prompts_per_step // problems + 1
 
 
-def counts(stats: RolloutStats) -> tuple[int, int]:
-    """(tokens, row-steps) of a rollout's speculative steps (acceptance length = tokens / row-steps)."""
-    pairs = [(t, b) for t, b, s in zip(stats.step_tokens, stats.batch_sizes, stats.strategies) if s != "off"]
-    return sum(t for t, _ in pairs), sum(b for _, b in pairs)
+def counts(stats: RolloutStats) -> tuple[int, int, int]:
+    """(tokens, row-steps, draft tokens verified) of a rollout's speculative steps (acceptance length =
+    tokens / row-steps; its cost in verified draft tokens a row-step = drafted / row-steps)."""
+    steps = [(t, b, d) for t, b, s, d in zip(stats.step_tokens, stats.batch_sizes, stats.strategies,
+                                            stats.step_drafted) if s != "off"]
+    return sum(t for t, _, _ in steps), sum(b for _, b, _ in steps), sum(d for _, _, d in steps)
 
 
 class PairedRollout:
@@ -176,8 +178,9 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         row = {"step": step + 1, "epoch": epoch_of(step, config.prompts_per_step, problems),
                "reward": metrics["reward"], "history_hit_rate": metrics.get("history_hit_rate"),
                "history_bytes": metrics.get("history_bytes"), "drafter_version": metrics.get("drafter_version"), **{
-                   name: {"tokens": r["counts"][0], "row_steps": r["counts"][1],
-                          "acceptance_length": r["counts"][0] / max(r["counts"][1], 1), "sources": r["sources"],
+                   name: {"tokens": r["counts"][0], "row_steps": r["counts"][1], "drafted": r["counts"][2],
+                          "acceptance_length": r["counts"][0] / max(r["counts"][1], 1),
+                          "drafted_per_row_step": r["counts"][2] / max(r["counts"][1], 1), "sources": r["sources"],
                           **({"same_samples": r["same_samples"]} if "same_samples" in r else {})}
                    for name, r in record.items()}}
         rows.append(row)
@@ -186,9 +189,9 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
     trainer.close()
     systems = [suffix, *paired]
 
-    def pooled(name, rows):
-        tokens, row_steps = sum(r[name]["tokens"] for r in rows), sum(r[name]["row_steps"] for r in rows)
-        return tokens / row_steps if row_steps else None
+    def pooled(name, rows, key="tokens"):
+        total, row_steps = sum(r[name][key] for r in rows), sum(r[name]["row_steps"] for r in rows)
+        return total / row_steps if row_steps else None
 
     epochs = sorted({r["epoch"] for r in rows})
     by_epoch = {e: {name: pooled(name, [r for r in rows if r["epoch"] == e]) for name in systems} for e in epochs}
@@ -204,6 +207,8 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         "prompts_per_step": config.prompts_per_step, "steps": config.steps, "suffix": suffix, "paired": paired,
         "ratio": suffix_later / ngram_later if suffix_later and ngram_later else None,
         "acceptance_epoch_2_on": {name: pooled(name, later) for name in systems},
+        # the cost side: draft tokens each row verified a step
+        "drafted_per_row_step_epoch_2_on": {name: pooled(name, later, "drafted") for name in systems},
         "acceptance_by_epoch": by_epoch,
         # per source of the suffix drafts, epoch 2 on: [row-steps, tokens emitted, draft tokens accepted]
         "suffix_sources_epoch_2_on": sources,
@@ -212,8 +217,9 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         "rows": rows, "wall_s": time.perf_counter() - start,
     }
     ratio = result["ratio"]
-    log("acceptance from epoch 2 on: " + ", ".join(f"{n} {v:.2f}" for n, v in result["acceptance_epoch_2_on"].items()
-                                                     if v is not None)
+    drafted = result["drafted_per_row_step_epoch_2_on"]
+    log("acceptance from epoch 2 on (draft tokens verified a row-step): " + ", ".join(
+        f"{n} {v:.2f} ({drafted[n]:.2f})" for n, v in result["acceptance_epoch_2_on"].items() if v is not None)
         + (f"; {suffix} / {paired[0]} = {ratio:.2f}x" if ratio else "")
         + f"; same samples in every rollout: {result['same_samples']}")
     return result

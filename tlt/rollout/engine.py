@@ -180,7 +180,8 @@ class RolloutEngine:
         if self.batch is not None and len(self.batch):
             size = len(self.batch)
             result = self.decoder.decode(self.batch)
-            self._stats.record_step(size, result.strategy, sum(map(len, result.tokens)), result.sources)
+            self._stats.record_step(size, result.strategy, sum(map(len, result.tokens)), result.sources,
+                                    result.drafted)
             self._postprocess(result)
         self._stats.steps += 1
         self._stats.step_times.append(time.perf_counter() - start)

@@ -24,12 +24,19 @@ class RolloutStats:
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each decode step
     wall_time: float = 0.0
     sources: dict[str, list[int]] = field(default_factory=dict)  # summed DecodeResult.sources
+    step_drafted: list[int] = field(default_factory=list)  # draft tokens each decode step verified (the cost side)
 
-    def record_step(self, batch_size: int, strategy: str, tokens: int, sources: dict | None) -> None:
-        """One decode step: its live rows, strategy, emitted tokens and per-source draft counts."""
+    def __post_init__(self) -> None:
+        # a record made without draft counts (written before they were kept) counts none for its steps
+        self.step_drafted = list(self.step_drafted) + [0] * (len(self.step_tokens) - len(self.step_drafted))
+
+    def record_step(self, batch_size: int, strategy: str, tokens: int, sources: dict | None, drafted: int = 0) -> None:
+        """One decode step: its live rows, strategy, emitted tokens, per-source draft counts and the draft
+        tokens its verification held."""
         self.batch_sizes.append(batch_size)
         self.strategies.append(strategy)
         self.step_tokens.append(tokens)
+        self.step_drafted.append(drafted)
         add_sources(self.sources, sources or {})
 
     @classmethod
@@ -43,6 +50,7 @@ class RolloutStats:
             out.batch_sizes += p.batch_sizes
             out.strategies += p.strategies
             out.step_tokens += p.step_tokens
+            out.step_drafted += p.step_drafted
             add_sources(out.sources, p.sources)
         return out
 
@@ -62,6 +70,15 @@ class RolloutStats:
             if s != "off":
                 rows[s] = rows.get(s, 0) + b
         return dict(sorted(rows.items()))
+
+    def drafted_per_row_step(self) -> dict[str, float]:
+        """Draft tokens verified per row per step of each speculative strategy that ran: what a step's
+        acceptance costs in verified tokens."""
+        drafted: dict[str, int] = {}
+        for d, s in zip(self.step_drafted, self.strategies):
+            if s != "off":
+                drafted[s] = drafted.get(s, 0) + d
+        return {s: drafted[s] / rows for s, rows in self.rows_by_strategy().items()}
 
     def acceptance_by_strategy(self) -> dict[str, float]:
         """Tokens per row per step of each speculative strategy that ran."""
@@ -84,6 +101,7 @@ class RolloutStats:
             "batch_sizes": list(self.batch_sizes),
             "strategies": list(self.strategies),
             "step_tokens": list(self.step_tokens),
+            "step_drafted": list(self.step_drafted),
             "acceptance_length": self.acceptance_length(),
             "draft_sources": {k: list(v) for k, v in self.sources.items()},
         }
@@ -91,10 +109,10 @@ class RolloutStats:
     @classmethod
     def from_dict(cls, d: dict) -> "RolloutStats":
         """The record `as_dict` wrote (derived rates and keys it does not know are ignored; draft_sources
-        may be missing)."""
+        and step_drafted may be missing: a record written before they were kept)."""
         return cls(d["steps"], d["prefill_tokens"], d["decode_tokens"], list(d["step_times_s"]),
                    list(d["batch_sizes"]), list(d["strategies"]), list(d["step_tokens"]), d["wall_time_s"],
-                   {k: list(v) for k, v in d.get("draft_sources", {}).items()})
+                   {k: list(v) for k, v in d.get("draft_sources", {}).items()}, list(d.get("step_drafted", [])))
 
 
 def add_sources(total: dict[str, list[int]], counts: dict[str, list[int]]) -> None:

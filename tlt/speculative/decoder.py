@@ -269,6 +269,7 @@ class SpeculativeDecoder:
             draft = self._learned_draft(batch, strategy)
         result = self._verify(batch, draft)
         result.strategy = strategy.name
+        result.drafted = int(draft.valid[:, 1:].sum())
         if names is not None:
             result.sources = credit_sources(names, result.visited, result.tokens)
         return result
