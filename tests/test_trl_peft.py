@@ -101,11 +101,51 @@ def test_the_merged_state_is_what_the_adapter_computes():
         base = lora_merged_state(adapted)
     assert all(torch.equal(base[k], v) for k, v in tiny_hf_model("qwen2", seed=9).state_dict().items())
     adapted.merge_adapter()
-    merged = lora_merged_state(adapted)
-    assert all(torch.equal(merged[k], v) for k, v in adapted.get_base_model().state_dict().items()
-               if k in merged)  # taken as merged, the delta not added again
-    for name, tensor in state.items():
-        torch.testing.assert_close(merged[name], tensor, atol=1e-6, rtol=1e-6)
+    merged, held = lora_merged_state(adapted), adapted.get_base_model().state_dict()
+    for name, tensor in merged.items():  # taken as merged: the base weights as they are, no delta added again
+        module, field = name.rsplit(".", 1)
+        assert torch.equal(tensor, held.get(name, held.get(f"{module}.base_layer.{field}")))
+        torch.testing.assert_close(tensor, state[name], atol=1e-6, rtol=1e-6)
+
+
+def test_two_adapters_one_merged_are_served_as_peft_computes():
+    """With two active adapters and one of them merged, PEFT's forward computes each adapted layer with its
+    base weight alone (the merged adapter), leaving the unmerged one out; so must the engine."""
+    ids = torch.tensor([[5, 9, 2, 33, 71, 8]])
+    model = lora(tiny_hf_model("qwen2", seed=6))
+    model.add_adapter("second", lora_config(target_modules=["q_proj", "up_proj"]))
+    model.base_model.set_adapter(["default", "second"])
+    plain = tiny_hf_model("qwen2", seed=6)
+    for merge in (None, ["second"]):
+        if merge:
+            model.merge_adapter(merge)
+        plain.load_state_dict(lora_merged_state(model))
+        with torch.no_grad():
+            torch.testing.assert_close(plain(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sync_sees_adapters_switched_at_the_same_step_and_warns_when_rounding(tmp_path, policy_folder):
+    """Switching adapters off or merging them changes no parameter's version; the sync sees it all the same.
+    A bf16 engine rounds away small LoRA changes: said once."""
+    _, folder, _, _ = policy_folder
+    rollout = make_rollout_func(folder)
+    model, trainer = lora(tiny_hf_model("qwen2", seed=1)), None
+    trainer = trainer_for(model)
+    rollout.sync(trainer)
+    adapted = rollout.engine.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
+    with model.disable_adapter():
+        rollout.sync(trainer)
+        base = rollout.engine.model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(base, model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)
+    rollout.sync(trainer)
+    assert torch.equal(rollout.engine.model.state_dict()["model.layers.0.self_attn.q_proj.weight"], adapted)
+    low = make_rollout_func(folder, dtype="bfloat16")
+    with pytest.warns(UserWarning, match="bfloat16.*dtype='float32'"):
+        low.sync(trainer_for(model))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        low.sync(trainer_for(model, step=1))  # said once
 
 
 def test_an_adapter_added_through_transformers_is_merged_too():

@@ -48,7 +48,10 @@ import dataclasses
 import itertools
 import os
 import random
+import warnings
 import weakref
+
+import torch
 
 from tlt.chat import render_prompt
 from tlt.errors import ConfigError
@@ -65,6 +68,7 @@ class TrlRollout:
         # model can be freed.
         self._loaded: tuple[weakref.ref, weakref.ref, int, tuple | None] | None = None
         self._calls: dict[tuple[str, int], int] = {}  # rollouts so far per (mode, global step)
+        self._warned_rounding = False
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         params = self.sampling_params(trainer)
@@ -92,10 +96,26 @@ class TrlRollout:
         if (held is None or held[0]() is not policy or held[1]() is not run or held[2] != step
                 or versions is None or held[3] != versions):
             check_sharding(trainer)
-            state = lora_merged_state(policy) if hasattr(policy, "peft_config") else policy.state_dict()
+            if hasattr(policy, "peft_config"):
+                state = lora_merged_state(policy)
+                self._warn_rounding()
+            else:
+                state = policy.state_dict()
             self.engine.load_weights({k: whole(v) for k, v in state.items()}, step)
             self._loaded = (weakref.ref(policy), weakref.ref(run), step, versions)
         return step
+
+    def _warn_rounding(self) -> None:
+        """Once: a merged LoRA policy held in less than float32 loses every weight change below the dtype's
+        resolution (in bfloat16 about 1/256 of the weight), which early LoRA updates mostly are."""
+        dtype = next(self.engine.model.parameters()).dtype
+        if dtype in (torch.float32, torch.float64) or self._warned_rounding:
+            return
+        self._warned_rounding = True
+        warnings.warn(f"tlt: the engine holds the merged LoRA policy in {dtype}, which rounds away each weight "
+                      "change smaller than its resolution (in bfloat16 about 1/256 of the weight): the rollouts "
+                      "then sample from nearer the base model than the trainer computes; give make_rollout_func "
+                      "dtype='float32' to serve the adapters' changes whole", stacklevel=3)
 
     def sampling_params(self, trainer) -> SamplingParams:
         """The trainer's sampling settings as tlt's; a setting tlt cannot honour is a ConfigError naming it."""
@@ -141,9 +161,15 @@ def weights_stamp(policy) -> tuple | None:
     bumps it; writes through `.data` do not, and pass unseen). None for inference tensors, which keep no
     counter: the engine then loads the weights at every call."""
     try:
-        return tuple((id(p), p._version) for p in policy.parameters())
+        stamp = tuple((id(p), p._version) for p in policy.parameters())
     except RuntimeError:
         return None
+    if hasattr(policy, "peft_config"):  # which adapters compute: set_adapter, enable/disable and merge change it
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        stamp += tuple((tuple(m.active_adapters), m.disable_adapters, tuple(m.merged_adapters))
+                       for m in policy.modules() if isinstance(m, BaseTunerLayer))
+    return stamp
 
 
 def whole(tensor):
@@ -197,15 +223,20 @@ def lora_merged_state(policy) -> dict:
 
     def adapted(module, path: str) -> None:
         base, where = module.get_base_layer(), path.rstrip(".")
+        if isinstance(module.base_layer, BaseTunerLayer):
+            raise ConfigError(f"the LoRA adapter at {where} wraps another adapter layer; tlt's rollout_func merges "
+                              "one adapter layer per module")
         if type(base) not in (nn.Linear, nn.Embedding):
             raise ConfigError(f"the LoRA adapter at {where} wraps a {type(base).__name__}; tlt's rollout_func "
                               "merges adapters on plain Linear and Embedding layers (not quantized ones)")
         weight, bias = whole(base.weight.detach()), getattr(base, "bias", None)
         bias = None if bias is None else whole(bias.detach())
-        if not module.disable_adapters:
+        # A layer with any adapter merged computes with its base weight alone (PEFT's forward), unmerged
+        # active adapters included: so is it served.
+        if not module.disable_adapters and not module.merged:
             for name in module.active_adapters:
-                if name in module.merged_adapters or name not in module.scaling:
-                    continue  # already in the base weight, or not an adapter of this layer
+                if name not in module.scaling:
+                    continue  # not an adapter of this layer
                 variant = getattr(module, "lora_variant", {}).get(name)
                 if variant is not None or getattr(module, "use_dora", {}).get(name):
                     kind = type(variant).__name__ if variant is not None else "DoRA"
