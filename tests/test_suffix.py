@@ -135,19 +135,25 @@ def test_a_floor_keeps_the_nodes_the_sources_agree_on():
     assert index.tree(text, 4, 8, floor=0.7)[0] == []
 
 
-@settings(max_examples=40, deadline=None)
-@given(streams, st.integers(1, 6), st.integers(1, 12), st.floats(0.01, 0.99))
-def test_a_floored_tree_is_the_first_nodes_of_the_unfloored_one(texts, depth, budget, floor):
-    """Nodes come best path score first and a child scores at most its parent, so a floor cuts the
-    unfloored tree's node list short and never reorders it."""
+@settings(max_examples=60, deadline=None)
+@given(streams, st.integers(1, 6), st.floats(0.01, 0.99))
+def test_a_floor_keeps_exactly_the_nodes_scoring_at_least_it(texts, depth, floor):
+    """Without a budget to cut it, a floored tree holds every node of the whole tree whose path score reaches
+    the floor and no other: nodes come best first, and a child never scores above its parent (which a
+    stop at the first node under the floor relies on)."""
     own = texts[0]
     sam = SuffixAutomaton.of(texts)
     last = state_of(sam, own) if own else 0
     sources = [Source(sam, last, len(own), 0)]
-    whole = draft_tree(sources, depth, budget)
-    cut = draft_tree(sources, depth, budget, floor=floor)
-    n = len(cut[0])
-    assert cut[0] == whole[0][:n] and cut[1] == whole[1][:n] and cut[2] == whole[2][:n] and cut[3] == whole[3]
+    scores, cut_scores = [], []
+    whole = draft_tree(sources, depth, 10_000, scores=scores)
+    cut = draft_tree(sources, depth, 10_000, floor=floor, scores=cut_scores)
+    assert all(0 < s <= 1 + 1e-12 for s in scores)
+    assert all(scores[i] <= scores[p - 1] + 1e-12 for i, p in enumerate(whole[1]) if p)  # child <= parent
+    assert scores == sorted(scores, reverse=True)
+    kept = [i for i, s in enumerate(scores) if s >= floor]
+    assert cut[0] == [whole[0][i] for i in kept] and cut[1] == [whole[1][i] for i in kept]
+    assert cut_scores == [scores[i] for i in kept] and cut[3] == whole[3]
 
 
 def test_per_kind_counts_name_the_source():

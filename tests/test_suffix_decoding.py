@@ -85,8 +85,10 @@ def test_each_step_counts_the_draft_tokens_it_verified():
     target = random_target(seed=3)
     prompts = [[3, 4, 5, 3, 4], [7, 8, 7, 8]]
     params = tlt.SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=2, ignore_eos=True)
-    for strategy, fits in [("tree-d4-k2-v8", lambda d, b: d == 8 * b), ("ngram-d4", lambda d, b: d <= 4 * b),
-                           ("suffix-d8-v16-p30", lambda d, b: d <= 16 * b)]:
+    for strategy, fits in [("tree-d4-k2-v8", lambda d, b: d == 8 * b), ("chain-d3", lambda d, b: d == 3 * b),
+                           ("ngram-d4", lambda d, b: d <= 4 * b), ("suffix-d8-v16-p30", lambda d, b: d <= 16 * b),
+                           ("tree-d4-k2-v8-p1", lambda d, b: d <= 8 * b),
+                           ("hybrid-d3-k2-v8-p1", lambda d, b: d <= 8 * b)]:
         spec = engine(target, strategy, Drafter.from_target(target, seed=1))
         spec.generate(prompts, params, history=histories(target, prompts, params, "plain"))
         stats = spec.rollout_stats

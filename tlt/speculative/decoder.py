@@ -49,7 +49,7 @@ from tlt.rollout.sampling import warp_logprobs
 from tlt.rollout.sequence import Sequence
 from tlt.speculative.drafter import Drafter, check_tensors
 from tlt.speculative.strategy import Strategy
-from tlt.speculative.suffix import SuffixAutomaton, SuffixIndex, max_depth_for
+from tlt.speculative.suffix import SuffixAutomaton, SuffixIndex, tree_depth
 from tlt.speculative.tree import chain_draft, expand, list_draft
 from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
 
@@ -281,21 +281,23 @@ class SpeculativeDecoder:
         return expand(self.drafter, batch.state.cache, f0, logits0, batch.cache.lengths, strategy, batch)
 
     def _suffix_draft(self, batch, strategy: Strategy):
-        """Suffix trees per row (suffix.py); under "hybrid", rows whose match earns a draft no deeper than
-        the strategy's depth take the learned drafter's tree instead (one drafter pass for the batch)."""
+        """Suffix trees per row (suffix.py); under "hybrid", rows whose suffix tree is no deeper than the
+        strategy's depth take the learned drafter's tree instead (one drafter pass for the batch)."""
         hybrid = strategy.kind == "hybrid"
         depth = strategy.verify_tokens if hybrid else strategy.depth
         floor = strategy.prune / 100
         trees = [s.state.index.tree(s.state.text, depth, strategy.verify_tokens, floor) for s in batch.seqs]
         rows = [(tokens, parents) for tokens, parents, _, _ in trees]
         names = [n for _, _, n, _ in trees]
-        short = [b for b, (_, _, _, matched) in enumerate(trees) if max_depth_for(matched, depth) <= strategy.depth]
+        # a row whose suffix tree (as its match and floor leave it) is no deeper than the learned one's
+        short = [b for b, (_, parents) in enumerate(rows) if tree_depth(parents) <= strategy.depth]
         if hybrid and short:
             learned = self._learned_draft(batch, strategy.learned_tree)
             tokens, parents = learned.tokens[:, 1:].tolist(), learned.parents[:, 1:].tolist()
+            kept = learned.valid[:, 1:].sum(1).tolist()  # a pruned row's kept nodes come first
             for b in short:
-                rows[b] = (tokens[b], parents[b])
-                names[b] = ["drafter"] * len(tokens[b])
+                rows[b] = (tokens[b][:kept[b]], parents[b][:kept[b]])
+                names[b] = ["drafter"] * kept[b]
         return list_draft(batch.last_tokens, rows), names
 
     # --- steps -------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ its sibling samples, up to `depth` tokens; verified target-only), "suffix" (the 
 suffix.py: a tree of up to `verify_tokens` nodes and `depth` levels from the longest suffix match over
 the prompt, the sequence, its siblings and the prompt's earlier responses, and with `prune` P > 0 only
 the nodes whose path the sources' counts give at least P%, so a row's draft grows with the sources'
-agreement; verified target-only), "hybrid" (per row, the suffix tree where its match earns a draft
-deeper than `depth`, else the learned drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in
+agreement; verified target-only), "hybrid" (per row, the suffix tree where it is deeper than
+`depth`, else the learned drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in
 one verification, `prune` applying to both; target-only).
 """
 

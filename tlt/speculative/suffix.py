@@ -172,12 +172,21 @@ def max_depth_for(matched: int, cap: int) -> int:
     return max(0, min(cap, math.ceil(matched * DEPTH_PER_MATCHED_TOKEN)))
 
 
-def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: int = 1, floor: float = 0.0
-               ) -> tuple[list[int], list[int], list[str], int]:
+def tree_depth(parents: list[int]) -> int:
+    """Depth of a draft tree given as parents (node i + 1's parent; 0: the root), parents first."""
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    return max(depth)
+
+
+def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: int = 1, floor: float = 0.0,
+               scores: list[float] | None = None) -> tuple[list[int], list[int], list[str], int]:
     """The best `budget` continuation nodes up to `max_depth` deep, of those whose path score (the product
     of the match-weighted continuation frequencies along it) is at least `floor`. Returns (tokens, parents,
     names, matched): node i + 1 has token tokens[i] and parent parents[i] (0: the root, the row's last
-    token), parents before children; names[i] is the node's source; matched is the longest match."""
+    token), parents before children; names[i] is the node's source; matched is the longest match. Nodes
+    come best score first; `scores`, when given, receives each node's."""
     start = []
     for src in sources:
         state, matched = src.sam.backoff(src.state, src.matched)
@@ -216,6 +225,8 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
     push_children(0, 0, 1.0, views_of[0])
     while heap and len(tokens) < budget and -heap[0][0] >= floor:  # a child scores at most its parent
         neg, _, parent, depth, tok, name = heapq.heappop(heap)
+        if scores is not None:
+            scores.append(-neg)
         tokens.append(tok)
         parents.append(parent)
         names.append(name)
