@@ -197,8 +197,9 @@ def check_sharding(trainer) -> None:
 
 def lora_merged_state(policy) -> dict:
     """The weights a PEFT LoRA policy computes with, by the base model's own names: each adapted layer's
-    base weight plus its active, unmerged adapters' deltas (B A times the scaling, as PEFT's merge adds
-    them; with `lora_bias`, B's bias too), a module under `modules_to_save` as its active trained copy.
+    base weight plus its active adapters' deltas (B A times the scaling, as PEFT's merge adds them; with
+    `lora_bias`, B's bias too), or its base weight alone where an adapter is merged into it already, and a
+    module under `modules_to_save` as its active trained copy.
     Computed beside the trainer's weights, which stay as they are: merging in place and back would leave
     bf16 base weights rounded differently after every sync. What the merge cannot express is refused by
     name: prompt-learning and other non-LoRA adapters, LoRA variants (DoRA and others), adapters on
