@@ -196,6 +196,9 @@ def test_a_lora_delta_on_a_tied_embedding_is_refused_not_half_served(tmp_path):
     plain = lora(tiny_hf_model("qwen2", seed=4, tie_word_embeddings=True))
     rollout.sync(trainer_for(plain))  # adapters on projections only: served
     assert rollout.engine.weights_version == 0
+    copies = {k: v.clone() for k, v in lora_merged_state(plain).items()}  # equal, not one tensor (a gather, Ray)
+    rollout.engine.load_weights(copies, 7)
+    assert rollout.engine.weights_version == 7
     adapted = lora(tiny_hf_model("qwen2", seed=4, tie_word_embeddings=True), target_modules=["embed_tokens"])
     with pytest.raises(tlt.ConfigError, match="ties model.embed_tokens.weight and lm_head.weight|ties lm_head.weight "
                                               "and model.embed_tokens.weight"):
