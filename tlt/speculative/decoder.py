@@ -49,8 +49,8 @@ from tlt.rollout.sampling import warp_logprobs
 from tlt.rollout.sequence import Sequence
 from tlt.speculative.drafter import Drafter, check_tensors
 from tlt.speculative.strategy import Strategy
-from tlt.speculative.suffix import SuffixAutomaton, SuffixIndex, tree_depth
-from tlt.speculative.tree import chain_draft, expand, list_draft
+from tlt.speculative.suffix import SuffixAutomaton, SuffixIndex
+from tlt.speculative.tree import chain_draft, expand, list_draft, node_depths
 from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
 
 
@@ -290,8 +290,8 @@ class SpeculativeDecoder:
         rows = [(tokens, parents) for tokens, parents, _, _ in trees]
         names = [n for _, _, n, _ in trees]
         # a row whose suffix tree (as its match and floor leave it) is no deeper than the learned one's
-        short = [b for b, (_, parents) in enumerate(rows) if tree_depth(parents) <= strategy.depth]
-        if hybrid and short:
+        short = [b for b, (_, parents) in enumerate(rows) if max(node_depths(parents)) <= strategy.depth] if hybrid else []
+        if short:
             learned = self._learned_draft(batch, strategy.learned_tree)
             tokens, parents = learned.tokens[:, 1:].tolist(), learned.parents[:, 1:].tolist()
             kept = learned.valid[:, 1:].sum(1).tolist()  # a pruned row's kept nodes come first

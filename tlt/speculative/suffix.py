@@ -172,14 +172,6 @@ def max_depth_for(matched: int, cap: int) -> int:
     return max(0, min(cap, math.ceil(matched * DEPTH_PER_MATCHED_TOKEN)))
 
 
-def tree_depth(parents: list[int]) -> int:
-    """Depth of a draft tree given as parents (node i + 1's parent; 0: the root), parents first."""
-    depth = [0]
-    for p in parents:
-        depth.append(depth[p] + 1)
-    return max(depth)
-
-
 def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: int = 1, floor: float = 0.0,
                scores: list[float] | None = None) -> tuple[list[int], list[int], list[str], int]:
     """The best `budget` continuation nodes up to `max_depth` deep, of those whose path score (the product

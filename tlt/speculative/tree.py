@@ -67,6 +67,15 @@ def chain_draft(root: torch.Tensor, proposals: list[list[int]]) -> Draft:
     return Draft(tokens, parents, depth, parents > -2)
 
 
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth, the root's (0) first, of a tree given as parents (node i + 1's parent; 0: the
+    root), parents listed before their children."""
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    return depth
+
+
 def list_draft(root: torch.Tensor, rows: list[tuple[list[int], list[int]]]) -> Draft:
     """A tree per row from token lists (suffix and hybrid drafts), right-padded: row b's node i + 1 has
     token rows[b][0][i] and parent rows[b][1][i] (0: the root), parents listed before their children."""
@@ -76,8 +85,8 @@ def list_draft(root: torch.Tensor, rows: list[tuple[list[int], list[int]]]) -> D
     parents = [[-1] + [-2] * (N - 1) for _ in range(B)]
     depth = [[0] * N for _ in range(B)]
     for b, (toks, pars) in enumerate(rows):
-        for i, (t, p) in enumerate(zip(toks, pars)):
-            tokens[b][i + 1], parents[b][i + 1], depth[b][i + 1] = t, p, depth[b][p] + 1
+        tokens[b][1 : 1 + len(toks)], parents[b][1 : 1 + len(pars)] = toks, pars
+        depth[b][: 1 + len(pars)] = node_depths(pars)
     device = root.device
     tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
     tokens_t[:, 0] = root
