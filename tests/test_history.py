@@ -105,6 +105,7 @@ def test_a_run_drafts_from_earlier_epochs_and_resumes_with_the_same_history(tmp_
     assert [r["history_hit_rate"] for r in whole] == [0.0, 0.0, 1.0, 1.0]
     assert whole[-1]["draft_sources"]["history"][2] > 0  # accepted drafts from the first epoch
     assert whole[-1]["history_responses"] == 64 and whole[-1]["history_bytes"] > 0
+    assert 0 < whole[-1]["drafted_by_strategy"]["suffix-d8-v16"] <= 16  # draft tokens verified a row-step
     train(c, tmp_path / "killed", log=lambda *_: None, stop_after=3)
     saved = load_state(latest_checkpoint(tmp_path / "killed")).history
     assert len(saved["entries"]) == 48  # 3 steps x 4 prompts x 4 samples

@@ -287,7 +287,8 @@ class GRPOTrainer:
         (DrafterLearning.metrics), the workers' time split and the history store's figures."""
         learning, stats = self.rollout_backend.learning, report.stats
         out = {"drafter_acceptance_length": drafter_acceptance(stats),
-               "acceptance_by_strategy": stats.acceptance_by_strategy(), "rows_by_strategy": stats.rows_by_strategy()}
+               "acceptance_by_strategy": stats.acceptance_by_strategy(), "rows_by_strategy": stats.rows_by_strategy(),
+               "drafted_by_strategy": stats.drafted_per_row_step()}
         if learning is not None:
             out.update(learning.metrics(phase))
         if report.pool is not None:

@@ -27,7 +27,7 @@ class RolloutStats:
     step_drafted: list[int] = field(default_factory=list)  # draft tokens each decode step verified (the cost side)
 
     def __post_init__(self) -> None:
-        # a record made without draft counts (written before they were kept) counts none for its steps
+        # a record given without draft counts (a stats JSON that holds none) counts none for its steps
         self.step_drafted = list(self.step_drafted) + [0] * (len(self.step_tokens) - len(self.step_drafted))
 
     def record_step(self, batch_size: int, strategy: str, tokens: int, sources: dict | None, drafted: int = 0) -> None:
@@ -109,7 +109,7 @@ class RolloutStats:
     @classmethod
     def from_dict(cls, d: dict) -> "RolloutStats":
         """The record `as_dict` wrote (derived rates and keys it does not know are ignored; draft_sources
-        and step_drafted may be missing: a record written before they were kept)."""
+        and step_drafted may be missing)."""
         return cls(d["steps"], d["prefill_tokens"], d["decode_tokens"], list(d["step_times_s"]),
                    list(d["batch_sizes"]), list(d["strategies"]), list(d["step_tokens"]), d["wall_time_s"],
                    {k: list(v) for k, v in d.get("draft_sources", {}).items()}, list(d.get("step_drafted", [])))
