@@ -97,9 +97,12 @@ class DraftState:
             self.features = torch.cat([self.features, self.features.new_zeros(B, grow, self.features.shape[2])], 1)
             self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(B, grow)], 1)
         # All K slots after each row's pairs are written; those past its k[b] pairs are not counted.
+        # Indexed writes of whole feature rows: a scatter over the expanded index goes element by element
+        # (32 rows x 5 pairs of 2,304 values: 0.60 ms in float32 and 69 ms in bf16, against 0.16 and 0.18).
         slot = self.count[:, None] + torch.arange(K, device=tokens.device)  # [B, K]
-        self.features.scatter_(1, slot[..., None].expand(B, K, self.features.shape[2]), features.to(self.features.dtype))
-        self.tokens.scatter_(1, slot, tokens)
+        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, K)
+        self.features[rows, slot] = features.to(self.features.dtype)
+        self.tokens[rows, slot] = tokens
         self.start = torch.where(self.count == 0, position, self.start)
         self.count = self.count + k
 
@@ -144,8 +147,8 @@ class DraftState:
             skip = self.count - count  # [B] the oldest pairs of each row, left out
             arange = torch.arange(window, device=self.count.device)
             index = (skip[:, None] + arange).clamp(max=self.tokens.shape[1] - 1)  # [B, window]
-            features = self.features.gather(1, index[..., None].expand(-1, -1, self.features.shape[2]))
-            out = (features, self.tokens.gather(1, index), (self.start + skip)[:, None] + arange)
+            rows = torch.arange(len(index), device=index.device)[:, None]  # whole feature rows, as in `add`
+            out = (self.features[rows, index], self.tokens[rows, index], (self.start + skip)[:, None] + arange)
         uniform = len(count) == 1 or int(count.min()) == len(arange)
         self.features, self.tokens = self.features[:, :0], self.tokens[:, :0]
         self.count = torch.zeros_like(self.count)
@@ -373,7 +376,7 @@ class SpeculativeDecoder:
             return
         feats = self.drafter.target_features(out.hidden_states, out.layer_states)  # [B, N, H]
         if nodes is not None:
-            feats = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))  # [B, K, H]
+            feats = feats[torch.arange(len(nodes), device=nodes.device)[:, None], nodes]  # [B, K, H]
         batch.state.add(feats, tokens, counts, base)
 
 

@@ -98,7 +98,7 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
     """Draft from the drafter's state. f0 [B, H], logits0 [B, V]: its output after the root (the
     feature f_hat at the root's position and the distribution of the next token); base [B]: the root's
     position. Chains sample from the warped q (stream 3) so that speculative sampling can use q."""
-    B, H = f0.shape
+    B = f0.shape[0]
     device = f0.device
     chain = strategy.kind == "chain"
     k = 1 if chain else strategy.topk
@@ -140,9 +140,10 @@ def expand(drafter, cache, f0: torch.Tensor, logits0: torch.Tensor, base: torch.
         if below_floor(frontier_score, strategy):
             break
         nxt_tok = child_tok.gather(1, best)
-        parent = (best // k)[..., None]  # [B, k, 1] index in the frontier
-        parent_feat = frontier_feat.gather(1, parent.expand(-1, -1, H))  # [B, k, H]
-        seen = frontier_seen.gather(1, parent.expand(-1, -1, written))  # [B, k, D]
+        parent = best // k  # [B, k] index in the frontier
+        rows = torch.arange(B, device=device)[:, None]  # whole rows by index (a gather goes element by element)
+        parent_feat = frontier_feat[rows, parent]  # [B, k, H]
+        seen = frontier_seen[rows, parent]  # [B, k, D]
         mask = torch.cat([seen, itself], 2)  # [B, k, D + k]
         positions = root_position if level == 1 else root_position + (level - 1)
         f_hat, logits = drafter(nxt_tok, parent_feat, positions, cache=cache, tree_mask=mask)
