@@ -74,3 +74,31 @@ def test_acceptance_from_a_cold_start_drafts_with_the_drafter_as_it_learns(tmp_p
     versions = [r["drafter_version"] for r in result["rows"]]
     assert versions == sorted(versions) and versions[-1] > versions[0]  # it learned during the run
     assert all(r["tree-d2-k2-v4"]["row_steps"] > 0 for r in result["rows"])
+
+
+def test_buckets_times_plain_decoding_beside_the_drafts(tmp_path):
+    from tlt.cli import main
+
+    model = save_tiny_policy(tmp_path / "model")
+    out = tmp_path / "history.json"
+    assert main(["bench", "history", "--measure", "buckets", "--problems", "4", "--epochs", "2",
+                 "--prompts-per-step", "2", "--group", "2", "--suffix", "suffix-d8-v16-p50", "--paired", "ngram-d4",
+                 "--json", str(out), f"model={model}", "drafter.model=none",
+                 "reward=reward_fixtures:digit_fraction", "max_response_tokens=16"]) == 0
+    figures = json.loads(out.read_text())
+    result = figures["buckets"]
+    assert result["paired"] == ["off", "ngram-d4"] and result["same_samples"] and result["epochs_counted"] == "2 on"
+    assert figures["per_bucket_bound_over_off"] == result["per_bucket_bound_over_off"] > 0
+    assert figures["buckets_command"].startswith("tlt bench history --measure buckets --problems 4")
+    off = result["buckets"]["off"]
+    used = {label for label, n in off["tokens"].items() if n}
+    assert used and used <= {"1", "2", "3-4"}  # 2 prompts x 2 samples a step: at most 4 live rows
+    assert set(result["best_by_bucket"]) == used
+    assert set(result["best_by_bucket"].values()) <= {"off", "ngram-d4", "suffix-d8-v16-p50"}
+    # every system emitted the same tokens (the same samples), whatever steps it took
+    totals = {name: sum(b["tokens"].values()) for name, b in result["buckets"].items()}
+    assert len(set(totals.values())) == 1 and totals["off"] > 0
+    for name, b in result["buckets"].items():
+        assert sum(b["seconds"].values()) == pytest.approx(result["decode_seconds"][name])
+        assert result["speedup_over_off"][name] == pytest.approx(result["decode_seconds"]["off"] /
+                                                                 result["decode_seconds"][name])

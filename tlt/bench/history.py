@@ -18,7 +18,13 @@ run over `--problems` built-in problems (or the config's dataset) for `--epochs`
     steps whose responses agree); `speedup_with_suffix_arms` is total rollout time without over with,
     with the whole-step ratio and the per-bucket arm choices of the run with the new arms.
 
-Both merge their figures and the command line into `--json` (default docs/results/history_drafts.json).
+  --measure buckets: the acceptance run's paired engines, plain decoding among them, timed: tokens a
+    second of each system per live-batch bucket (the tuner's buckets) from epoch 2 on, the best system
+    per bucket, and `per_bucket_bound_over_off`, the rollout speed-up over plain decoding that choosing
+    the best of these systems in every bucket could give (what the tuner can reach with them as arms).
+    The systems take turns within each rollout, rotated by one a rollout. Times, so machine load matters.
+
+Each merges its figures and the command line into `--json` (default docs/results/history_drafts.json).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import shlex
 import time
 from pathlib import Path
 
+from tlt.bench import rotation
 from tlt.config import override
 from tlt.rollout.stats import RolloutStats
 
@@ -37,14 +44,15 @@ SUFFIX_ARMS = ("suffix-d16-v32", "hybrid-d4-k4-v16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--measure", choices=("acceptance", "speedup"), default="acceptance")
+    parser.add_argument("--measure", choices=("acceptance", "speedup", "buckets"), default="acceptance")
     parser.add_argument("--problems", type=int, default=64, help="training problems (the fixed dataset)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--suffix", default="suffix-d16-v32", help="acceptance: the suffix strategy the run drafts with")
-    parser.add_argument("--paired", default="ngram-d4", help="acceptance: strategies run on the same samples "
-                                                             "(comma-separated; the first is the n-gram baseline)")
+    parser.add_argument("--paired", default="ngram-d4", help="acceptance, buckets: strategies run on the same samples "
+                                                             "(comma-separated; for acceptance the first is the n-gram "
+                                                             "baseline; buckets adds off)")
     parser.add_argument("--arms", default=",".join(SUFFIX_ARMS), help="speedup: the arms added to the tuner's")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--json", default="docs/results/history_drafts.json", help="merge the figures into this file")
@@ -70,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                                      "workers=1", *args.overrides])
     command = " ".join(["tlt bench history", f"--measure {args.measure}", f"--problems {args.problems}",
                         f"--epochs {args.epochs}", f"--prompts-per-step {args.prompts_per_step}", f"--group {args.group}",
-                        *([f"--suffix {args.suffix}", f"--paired {args.paired}"] if args.measure == "acceptance"
+                        *([f"--suffix {args.suffix}", f"--paired {args.paired}"] if args.measure != "speedup"
                           else [f"--arms {args.arms}"]),
                         *([f"--threads {args.threads}"] if args.threads else []),
                         *(shlex.quote(o) for o in args.overrides)])
@@ -78,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         result = acceptance(base, args.suffix, comma_list(args.paired))
         figures = {"acceptance_suffix_vs_ngram": result["ratio"], "acceptance_command": command,
                    "acceptance": result}
+    elif args.measure == "buckets":
+        result = buckets(base, args.suffix, comma_list(args.paired))
+        figures = {"per_bucket_bound_over_off": result["per_bucket_bound_over_off"], "buckets_command": command,
+                   "buckets": result}
     else:
         result = speedup(base, tuple(comma_list(args.arms)))
         figures = {"speedup_with_suffix_arms": result["rollout_speedup"], "speedup_command": command,
@@ -119,34 +131,42 @@ class PairedRollout:
         return getattr(self.backend, name)
 
     def generate(self, prompts, params, weights_version, step, learn=True, **drafts):
-        outputs, report = self.backend.generate(prompts, params, weights_version, step, learn=learn, **drafts)
         if not learn:
-            return outputs, report
-        record = {self.primary: {"counts": counts(report.stats), "sources": report.stats.sources}}
-        tokens = [c.token_ids for o in outputs for c in o.outputs]
-        for name, engine in self.engines.items():
-            engine.reset_stats()
-            other = engine.generate(prompts, params, **drafts)
-            other_stats = engine.rollout_stats
-            record[name] = {"counts": counts(other_stats), "sources": other_stats.sources,
-                            "same_samples": [c.token_ids for o in other for c in o.outputs] == tokens}
+            return self.backend.generate(prompts, params, weights_version, step, learn=learn, **drafts)
+        # The systems run in turns, rotated by one each rollout, so none is always first while the host's
+        # speed drifts (the bucket times); each sees the same history, which the trainer extends afterwards.
+        record, samples = {}, {}
+        for name in rotation([self.primary, *self.engines], len(self.rollouts)):
+            if name == self.primary:
+                outputs, report = self.backend.generate(prompts, params, weights_version, step, learn=learn, **drafts)
+                out, stats = outputs, report.stats
+            else:
+                engine = self.engines[name]
+                engine.reset_stats()
+                out = engine.generate(prompts, params, **drafts)
+                stats = engine.rollout_stats
+            samples[name] = [c.token_ids for o in out for c in o.outputs]
+            record[name] = {"counts": counts(stats), "sources": stats.sources, "stats": stats}
+        for name in self.engines:
+            record[name]["same_samples"] = samples[name] == samples[self.primary]
         self.rollouts.append(record)
         return outputs, report
 
 
-def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
-    """Acceptance length of `suffix` and each `paired` strategy on the same samples, by epoch."""
+def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
+    """A run drafting with `suffix`, each training rollout generated again by every `paired` strategy on
+    the same samples: (config, problems, per-step rows, per-rollout records of PairedRollout)."""
     from tlt.errors import ConfigError
     from tlt.rl.trainer import GRPOTrainer
     from tlt.rollout import EngineConfig, RolloutEngine
     from tlt.speculative import Drafter, Strategy
 
     if not paired:
-        raise ConfigError("--paired must name at least the n-gram strategy to compare with")
+        raise ConfigError("--paired must name at least one strategy to run on the same samples")
     if Strategy.parse(suffix).kind not in ("suffix", "hybrid"):
         raise ConfigError(f"--suffix must be a suffix or hybrid strategy, got {suffix!r}")
     for name in paired:
-        if not Strategy.parse(name).target_only:
+        if name != "off" and not Strategy.parse(name).target_only:
             raise ConfigError(f"--paired {name!r} does not verify target-only: its samples would differ")
     learned = Strategy.parse(suffix).uses_drafter
     # drafter.model=random is a cold start: the drafter starts random and learns from the run's rollouts as
@@ -165,12 +185,12 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         if uses and drafter is None:
             drafter = Drafter.load("default" if base.drafter.model in (None, "auto") else base.drafter.model, model)
         engines[name] = RolloutEngine(model, trainer.tokenizer, EngineConfig(
-            speculative="on", strategy=name, drafter=drafter if uses else None, max_batch_size=config.max_batch_size))
+            speculative="off" if name == "off" else "on", strategy=None if name == "off" else name,
+            drafter=drafter if uses else None, max_batch_size=config.max_batch_size))
     trainer.rollout_backend = PairedRollout(trainer.rollout_backend, engines, suffix)
     problems = len(trainer.train_examples)
     log(f"{config.model}: {problems} problems x {config.group_size} samples, {config.prompts_per_step} per step, "
         f"{config.steps} steps; drafting with {suffix}, paired with {', '.join(paired)} on the same samples")
-    start = time.perf_counter()
     rows = []
     for step in range(config.steps):
         metrics = trainer.train_step()
@@ -187,6 +207,13 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         log(f"step {row['step']:3d} epoch {row['epoch']}  " + "  ".join(
             f"{name} {row[name]['acceptance_length']:.2f}" for name in record))
     trainer.close()
+    return config, problems, rows, trainer.rollout_backend.rollouts
+
+
+def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
+    """Acceptance length of `suffix` and each `paired` strategy on the same samples, by epoch."""
+    start = time.perf_counter()
+    config, problems, rows, _ = paired_run(base, suffix, paired, log)
     systems = [suffix, *paired]
 
     def pooled(name, rows, key="tokens"):
@@ -225,9 +252,45 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
     return result
 
 
+def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
+    """Tokens a second per live-batch bucket of `suffix`, each `paired` strategy and plain decoding ("off",
+    added when not named), on the same samples from epoch 2 on, and the speed-up a per-bucket choice among them
+    could give over plain decoding."""
+    from tlt.adaptive.tuner import Tuner
+    from tlt.bench.rollout import bucket_bound, bucket_split, rates
+
+    paired = list(paired) if "off" in paired else ["off", *paired]
+    start = time.perf_counter()
+    config, problems, rows, records = paired_run(base, suffix, paired, log)
+    tuner = Tuner(config.tuner)  # its buckets only
+    later = [r for r, row in zip(records, rows) if row["epoch"] >= 2] or records
+    systems = [suffix, *paired]
+    splits = {name: bucket_split(*(sum((getattr(r[name]["stats"], key) for r in later), [])
+                                   for key in ("step_times", "step_tokens", "batch_sizes")), tuner) for name in systems}
+    bound, best = bucket_bound(splits, systems, baseline="off")
+    seconds = {name: sum(split["seconds"].values()) for name, split in splits.items()}
+    by_system = {name: {"seconds": split["seconds"], "tokens": split["tokens"], "tokens_per_s": rates(split)}
+                 for name, split in splits.items()}
+    result = {
+        "model": config.model, "problems": problems, "epochs": max(r["epoch"] for r in rows),
+        "group_size": config.group_size, "prompts_per_step": config.prompts_per_step, "steps": config.steps,
+        "suffix": suffix, "paired": paired, "epochs_counted": "2 on" if later is not records else "all",
+        "decode_seconds": seconds, "speedup_over_off": {name: seconds["off"] / s for name, s in seconds.items() if s},
+        "buckets": by_system, "best_by_bucket": best, "per_bucket_bound_over_off": bound,
+        "same_samples": all(r[name]["same_samples"] for r in records for name in paired),
+        "wall_s": time.perf_counter() - start,
+    }
+    for label, winner in best.items():
+        log(f"  {label:>7} rows  " + "  ".join(f"{name} {by_system[name]['tokens_per_s'][label] or 0:6.0f}"
+                                               for name in systems) + f" tokens/s; best {winner}")
+    log(f"per-bucket choice among these systems: at most {bound:.2f}x plain decoding (each fixed: "
+        + ", ".join(f"{n} {v:.2f}x" for n, v in result["speedup_over_off"].items()) + ")"
+        + f"; same samples in every rollout: {result['same_samples']}")
+    return result
+
+
 def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step."""
-    from tlt.bench import rotation
     from tlt.bench.e2e import STAGES
     from tlt.errors import ConfigError
     from tlt.rl.side_by_side import matching_steps

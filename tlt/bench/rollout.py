@@ -258,10 +258,10 @@ def rates(split: dict) -> dict[str, float | None]:
     return {x: split["tokens"][x] / s if s > 0 else None for x, s in split["seconds"].items()}
 
 
-def bucket_bound(splits: dict[str, dict], fixed: list[str]) -> tuple[float, dict[str, str]]:
-    """(tlt_off's step seconds / the time of its tokens at the best fixed throughput of each bucket,
+def bucket_bound(splits: dict[str, dict], fixed: list[str], baseline: str = "tlt_off") -> tuple[float, dict[str, str]]:
+    """(the baseline's step seconds / the time of its tokens at the best fixed throughput of each bucket,
     the best system of each bucket). `splits`: system -> `bucket_split` of one repeat."""
-    off = splits["tlt_off"]
+    off = splits[baseline]
     measured = {name: rates(splits[name]) for name in fixed}
     best, oracle = {}, 0.0
     for label, tokens in off["tokens"].items():
