@@ -235,3 +235,48 @@ def test_a_lora_policy_under_fsdp2_is_gathered_and_merged(tmp_path):
     served = rollout.engine.model.state_dict()
     assert set(served) == set(expected)
     assert all(torch.equal(served[k], v) for k, v in expected.items())
+
+
+def _sync_a_sharded_lora_policy(rank: int, folder: str, rendezvous: str, out: str) -> None:
+    """One of two processes training a LoRA policy under FSDP2: shard it, sync tlt's engine, and (rank 0)
+    save what the engine serves."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        sharded = lora(tiny_hf_model("qwen2", seed=3))
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in sharded.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        a = sharded.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+        assert a.to_local().shape[0] < a.shape[0]  # each process holds part of the adapter only
+        rollout = make_rollout_func(folder)
+        trainer = trainer_for(sharded)
+        trainer.accelerator.state = SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=SimpleNamespace(fsdp_version=2))
+        rollout.sync(trainer)
+        if rank == 0:
+            torch.save(rollout.engine.model.state_dict(), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_lora_policy_sharded_over_two_processes_is_served_whole(tmp_path):
+    """FSDP2 over two processes: each holds half of every weight and of the adapter's A and B; the engine
+    serves the whole merged state, as the unsharded adapter's (up to the order of a sharded product's sums)."""
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    expected = lora_merged_state(lora(tiny_hf_model("qwen2", seed=3)))
+    folder = tmp_path / "policy"
+    tiny_hf_model("qwen2", seed=5).save_pretrained(folder)
+    out = tmp_path / "served.pt"
+    mp.spawn(_sync_a_sharded_lora_policy, args=(str(folder), str(tmp_path / "rendezvous"), str(out)), nprocs=2)
+    served = torch.load(out)
+    assert set(served) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(served[name], value, msg=name)

@@ -205,7 +205,7 @@ def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
                    for name, r in record.items()}}
         rows.append(row)
         log(f"step {row['step']:3d} epoch {row['epoch']}  " + "  ".join(
-            f"{name} {row[name]['acceptance_length']:.2f}" for name in record))
+            f"{name} {row[name]['acceptance_length']:.2f}" for name in record if name != "off"))
     trainer.close()
     return config, problems, rows, trainer.rollout_backend.rollouts
 
