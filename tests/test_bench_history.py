@@ -102,3 +102,15 @@ def test_buckets_times_plain_decoding_beside_the_drafts(tmp_path):
         assert sum(b["seconds"].values()) == pytest.approx(result["decode_seconds"][name])
         assert result["speedup_over_off"][name] == pytest.approx(result["decode_seconds"]["off"] /
                                                                  result["decode_seconds"][name])
+
+
+def test_paired_systems_that_cannot_be_compared_are_refused():
+    from tlt.bench.history import acceptance, paired_run
+    from tlt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="run's own"):  # the trainer's backend would generate twice a step
+        paired_run(None, "suffix-d8-v16", ["off", "suffix-d8-v16"])
+    with pytest.raises(ConfigError, match="twice"):
+        paired_run(None, "suffix-d8-v16", ["ngram-d4", "ngram-d4"])
+    with pytest.raises(ConfigError, match="no acceptance"):
+        acceptance(None, "suffix-d8-v16", ["off", "ngram-d4"])

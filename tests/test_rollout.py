@@ -198,6 +198,23 @@ def test_batch_shrinks_as_sequences_finish(qwen2):
     assert len(sizes) == max(lengths) - 1  # the first token comes from the prefill
 
 
+def test_a_step_that_decodes_nothing_records_no_step(qwen2):
+    """Rows that all end at their prefill's token decode nothing: the per-step lists stay one entry a decode
+    step (the bucket timings zip them), the prefill counted."""
+    from tlt.adaptive.tuner import Tuner
+    from tlt.bench.rollout import bucket_split
+
+    _, model = qwen2
+    engine = tlt.RolloutEngine(model, config=tlt.EngineConfig(max_batch_size=2))
+    # two requests a batch: the first pair ends at prefill, the second decodes 3 steps
+    out = engine.generate(prompts_of([5, 5, 5, 5]), [tlt.SamplingParams(max_tokens=m, ignore_eos=True)
+                                                      for m in (1, 1, 4, 4)])
+    assert [len(o.outputs[0].token_ids) for o in out] == [1, 1, 4, 4]
+    stats = engine.rollout_stats
+    assert stats.steps == len(stats.step_times) == len(stats.batch_sizes) == 3 and stats.prefill_tokens == 20
+    assert bucket_split(stats.step_times, stats.step_tokens, stats.batch_sizes, Tuner())["tokens"]["2"] == 6
+
+
 def test_hidden_states_come_from_the_decoding_forwards(qwen2):
     _, model = qwen2
     prompt = prompts_of([6])[0]

@@ -3,6 +3,7 @@ serves the base weights plus the adapters' deltas, computed without touching the
 GRPO steps of a real trainer on a tiny random Qwen2 model; adapter kinds the merge cannot express are
 refused by name."""
 
+import datetime
 from types import SimpleNamespace
 
 import pytest
@@ -245,7 +246,9 @@ def _sync_a_sharded_lora_policy(rank: int, folder: str, rendezvous: str, out: st
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    # a collective one process misses fails within two minutes instead of gloo's default half hour
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         torch.manual_seed(0)
         sharded = lora(tiny_hf_model("qwen2", seed=3))

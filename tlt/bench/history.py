@@ -157,12 +157,16 @@ def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
     """A run drafting with `suffix`, each training rollout generated again by every `paired` strategy on
     the same samples: (config, problems, per-step rows, per-rollout records of PairedRollout)."""
     from tlt.errors import ConfigError
+    from dataclasses import replace
+
     from tlt.rl.trainer import GRPOTrainer
-    from tlt.rollout import EngineConfig, RolloutEngine
+    from tlt.rollout import RolloutEngine
     from tlt.speculative import Drafter, Strategy
 
     if not paired:
         raise ConfigError("--paired must name at least one strategy to run on the same samples")
+    if suffix in paired or len(set(paired)) < len(paired):
+        raise ConfigError(f"--paired names a strategy twice or the run's own (--suffix {suffix}): {','.join(paired)}")
     if Strategy.parse(suffix).kind not in ("suffix", "hybrid"):
         raise ConfigError(f"--suffix must be a suffix or hybrid strategy, got {suffix!r}")
     for name in paired:
@@ -184,9 +188,10 @@ def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
         uses = Strategy.parse(name).uses_drafter
         if uses and drafter is None:
             drafter = Drafter.load("default" if base.drafter.model in (None, "auto") else base.drafter.model, model)
-        engines[name] = RolloutEngine(model, trainer.tokenizer, EngineConfig(
-            speculative="off" if name == "off" else "on", strategy=None if name == "off" else name,
-            drafter=drafter if uses else None, max_batch_size=config.max_batch_size))
+        # the run's own engine settings (batch size, drafter windows and bits), another strategy
+        engines[name] = RolloutEngine(model, trainer.tokenizer, replace(
+            trainer.engine.config, speculative="off" if name == "off" else "on",
+            strategy=None if name == "off" else name, tuner=None, drafter=drafter if uses else None, progress=False))
     trainer.rollout_backend = PairedRollout(trainer.rollout_backend, engines, suffix)
     problems = len(trainer.train_examples)
     log(f"{config.model}: {problems} problems x {config.group_size} samples, {config.prompts_per_step} per step, "
@@ -199,19 +204,26 @@ def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
                "reward": metrics["reward"], "history_hit_rate": metrics.get("history_hit_rate"),
                "history_bytes": metrics.get("history_bytes"), "drafter_version": metrics.get("drafter_version"), **{
                    name: {"tokens": r["counts"][0], "row_steps": r["counts"][1], "drafted": r["counts"][2],
-                          "acceptance_length": r["counts"][0] / max(r["counts"][1], 1),
-                          "drafted_per_row_step": r["counts"][2] / max(r["counts"][1], 1), "sources": r["sources"],
+                          # None where the system ran no speculative step (plain decoding)
+                          "acceptance_length": r["counts"][0] / r["counts"][1] if r["counts"][1] else None,
+                          "drafted_per_row_step": r["counts"][2] / r["counts"][1] if r["counts"][1] else None,
+                          "sources": r["sources"],
                           **({"same_samples": r["same_samples"]} if "same_samples" in r else {})}
                    for name, r in record.items()}}
         rows.append(row)
         log(f"step {row['step']:3d} epoch {row['epoch']}  " + "  ".join(
-            f"{name} {row[name]['acceptance_length']:.2f}" for name in record if name != "off"))
+            f"{name} {row[name]['acceptance_length']:.2f}" for name in record if row[name]["row_steps"]))
     trainer.close()
     return config, problems, rows, trainer.rollout_backend.rollouts
 
 
 def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
     """Acceptance length of `suffix` and each `paired` strategy on the same samples, by epoch."""
+    from tlt.errors import ConfigError
+
+    if "off" in paired:
+        raise ConfigError("--paired off has no acceptance to compare (plain decoding drafts nothing); "
+                          "it is a system of --measure buckets")
     start = time.perf_counter()
     config, problems, rows, _ = paired_run(base, suffix, paired, log)
     systems = [suffix, *paired]

@@ -177,12 +177,14 @@ class RolloutEngine:
         admitted = self.scheduler.admit(self.batch.seqs if self.batch else [])
         if admitted:
             self._prefill(admitted)
-        if self.batch is not None and len(self.batch):
-            size = len(self.batch)
-            result = self.decoder.decode(self.batch)
-            self._stats.record_step(size, result.strategy, sum(map(len, result.tokens)), result.sources,
-                                    result.drafted)
-            self._postprocess(result)
+        if self.batch is None or not len(self.batch):
+            # Every admitted row finished at prefill (its first token ended it): nothing decoded, so no step
+            # is recorded (per-step lists stay one entry a decode step); the time counts in the wall time.
+            return
+        size = len(self.batch)
+        result = self.decoder.decode(self.batch)
+        self._stats.record_step(size, result.strategy, sum(map(len, result.tokens)), result.sources, result.drafted)
+        self._postprocess(result)
         self._stats.steps += 1
         self._stats.step_times.append(time.perf_counter() - start)
 

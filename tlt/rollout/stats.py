@@ -18,7 +18,7 @@ class RolloutStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    step_times: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # each decode step's seconds, with the prefill it ran first
     batch_sizes: list[int] = field(default_factory=list)
     strategies: list[str] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each decode step
