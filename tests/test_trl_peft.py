@@ -4,6 +4,7 @@ GRPO steps of a real trainer on a tiny random Qwen2 model; adapter kinds the mer
 refused by name."""
 
 import datetime
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -278,7 +279,17 @@ def test_a_lora_policy_sharded_over_two_processes_is_served_whole(tmp_path):
     folder = tmp_path / "policy"
     tiny_hf_model("qwen2", seed=5).save_pretrained(folder)
     out = tmp_path / "served.pt"
-    mp.spawn(_sync_a_sharded_lora_policy, args=(str(folder), str(tmp_path / "rendezvous"), str(out)), nprocs=2)
+    # Two processes talk over loopback sockets, which a busy host has failed once in many runs: a failed pair
+    # is started again once, with a fresh rendezvous, and warned of (a merge that is wrong fails both times).
+    for attempt in range(2):
+        try:
+            mp.spawn(_sync_a_sharded_lora_policy, args=(str(folder), str(tmp_path / f"rendezvous{attempt}"), str(out)),
+                     nprocs=2)
+            break
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            if attempt:
+                raise
+            warnings.warn(f"the two-process sync failed once, started again: {exc}")
     served = torch.load(out)
     assert set(served) == set(expected)
     for name, value in expected.items():
