@@ -113,9 +113,9 @@ def epoch_of(step: int, prompts_per_step: int, problems: int) -> int:
 def counts(stats: RolloutStats) -> tuple[int, int, int]:
     """(tokens, row-steps, draft tokens verified) of a rollout's speculative steps (acceptance length =
     tokens / row-steps; its cost in verified draft tokens a row-step = drafted / row-steps)."""
-    steps = [(t, b, d) for t, b, s, d in zip(stats.step_tokens, stats.batch_sizes, stats.strategies,
-                                            stats.step_drafted) if s != "off"]
-    return sum(t for t, _, _ in steps), sum(b for _, b, _ in steps), sum(d for _, _, d in steps)
+    tokens, rows, drafted = (sum(stats.summed_by_strategy(v).values())
+                             for v in (stats.step_tokens, stats.batch_sizes, stats.step_drafted))
+    return tokens, rows, drafted
 
 
 class PairedRollout:
@@ -275,10 +275,11 @@ def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
     start = time.perf_counter()
     config, problems, rows, records = paired_run(base, suffix, paired, log)
     tuner = Tuner(config.tuner)  # its buckets only
-    later = [r for r, row in zip(records, rows) if row["epoch"] >= 2] or records
+    repeated = any(row["epoch"] >= 2 for row in rows)
+    counted = [r for r, row in zip(records, rows) if row["epoch"] >= 2 or not repeated]
     systems = [suffix, *paired]
-    splits = {name: bucket_split(*(sum((getattr(r[name]["stats"], key) for r in later), [])
-                                   for key in ("step_times", "step_tokens", "batch_sizes")), tuner) for name in systems}
+    merged = {name: RolloutStats.merge([r[name]["stats"] for r in counted]) for name in systems}
+    splits = {name: bucket_split(m.step_times, m.step_tokens, m.batch_sizes, tuner) for name, m in merged.items()}
     bound, best = bucket_bound(splits, systems, baseline="off")
     seconds = {name: sum(split["seconds"].values()) for name, split in splits.items()}
     by_system = {name: {"seconds": split["seconds"], "tokens": split["tokens"], "tokens_per_s": rates(split)}
@@ -286,7 +287,7 @@ def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
     result = {
         "model": config.model, "problems": problems, "epochs": max(r["epoch"] for r in rows),
         "group_size": config.group_size, "prompts_per_step": config.prompts_per_step, "steps": config.steps,
-        "suffix": suffix, "paired": paired, "epochs_counted": "2 on" if later is not records else "all",
+        "suffix": suffix, "paired": paired, "epochs_counted": "2 on" if repeated else "all",
         "decode_seconds": seconds, "speedup_over_off": {name: seconds["off"] / s for name, s in seconds.items() if s},
         "buckets": by_system, "best_by_bucket": best, "per_bucket_bound_over_off": bound,
         "same_samples": all(r[name]["same_samples"] for r in records for name in paired),

@@ -63,30 +63,31 @@ class RolloutStats:
                 tokens, rows = tokens + t, rows + b
         return tokens / rows if rows else None
 
+    def summed_by_strategy(self, values: list[int]) -> dict[str, int]:
+        """A per-step list (`batch_sizes`, `step_tokens`, `step_drafted`) summed over the steps of each
+        speculative strategy that ran."""
+        sums: dict[str, int] = {}
+        for v, s in zip(values, self.strategies):
+            if s != "off":
+                sums[s] = sums.get(s, 0) + v
+        return dict(sorted(sums.items()))
+
     def rows_by_strategy(self) -> dict[str, int]:
         """Row-steps (live rows x steps) each speculative strategy ran for."""
-        rows: dict[str, int] = {}
-        for b, s in zip(self.batch_sizes, self.strategies):
-            if s != "off":
-                rows[s] = rows.get(s, 0) + b
-        return dict(sorted(rows.items()))
+        return self.summed_by_strategy(self.batch_sizes)
 
     def drafted_per_row_step(self) -> dict[str, float]:
         """Draft tokens verified per row per step of each speculative strategy that ran: what a step's
         acceptance costs in verified tokens."""
-        drafted: dict[str, int] = {}
-        for d, s in zip(self.step_drafted, self.strategies):
-            if s != "off":
-                drafted[s] = drafted.get(s, 0) + d
-        return {s: drafted[s] / rows for s, rows in self.rows_by_strategy().items()}
+        return self._per_row_step(self.step_drafted)
 
     def acceptance_by_strategy(self) -> dict[str, float]:
         """Tokens per row per step of each speculative strategy that ran."""
-        tokens: dict[str, int] = {}
-        for t, s in zip(self.step_tokens, self.strategies):
-            if s != "off":
-                tokens[s] = tokens.get(s, 0) + t
-        return {s: tokens[s] / rows for s, rows in self.rows_by_strategy().items()}
+        return self._per_row_step(self.step_tokens)
+
+    def _per_row_step(self, values: list[int]) -> dict[str, float]:
+        sums = self.summed_by_strategy(values)
+        return {s: sums[s] / rows for s, rows in self.rows_by_strategy().items()}
 
     def as_dict(self) -> dict:
         n = max(len(self.step_times), 1)
