@@ -38,6 +38,8 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     assert result["acceptance_epoch_2_on"]["suffix-d8-v16"] / result["acceptance_epoch_2_on"]["ngram-d4"] == \
         result["ratio"]
     assert "history" in result["suffix_sources_epoch_2_on"]
+    calibration = result["calibration"]  # the run's engine learned from its suffix drafts' verifications
+    assert calibration and all(0 <= row["rate"] <= 1 and row["accepted"] <= row["reached"] for row in calibration)
     drafted = result["drafted_per_row_step_epoch_2_on"]
     assert 0 < drafted["ngram-d4"] <= 4 and 0 < drafted["suffix-d4-v4"] <= 4 and 0 < drafted["suffix-d8-v16"] <= 16
     assert first["acceptance_command"].startswith("tlt bench history --measure acceptance --problems 4")

@@ -162,8 +162,8 @@ def test_released_worker_trains_the_drafter_and_every_worker_gets_it(model_dir, 
         _, third = rollout.generate(PROMPTS, params(long_first=True), 0, 2)
         assert third.pool.drafter_version == 1
         rollout.finish_step(2)  # pushes the newest drafter to every worker
-        states = ray.get([a.tuner_state.remote() for a in pool.actors])
-        assert all(s is not None for s in states)
+        states = ray.get([a.drafting_state.remote() for a in pool.actors])
+        assert all(s is not None and s["tuner"] is not None for s in states)
         trained = learning.state["drafter"]
         assert ("fuse.weight" in trained) == eagle3
         if eagle3:
@@ -189,8 +189,8 @@ def test_grpo_on_two_ray_workers_runs_and_resumes(model_dir, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(len(r["workers"]["shares"]) == 2 for r in rows)
     assert trainer.step == 2
-    tuner = json.loads((run / "checkpoints" / "step_00000002" / "tuner.json").read_text())
-    assert len(tuner["tuners"]) == 2
+    drafting = json.loads((run / "checkpoints" / "step_00000002" / "drafting.json").read_text())
+    assert len(drafting["workers"]) == 2 and all(w["tuner"] and w["calibration"] for w in drafting["workers"])
 
 
 def test_a_killed_run_leaves_no_ray_process_behind():

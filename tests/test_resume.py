@@ -99,9 +99,9 @@ def test_a_kill_at_any_moment_resumes_with_every_step_once(model_dir, whole, tmp
         assert any("incomplete last row" in x for x in lines)
 
 
-@pytest.mark.parametrize("damaged", ["trainer_state.pt", "policy/model.safetensors", "tuner.json"])
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "policy/model.safetensors", "drafting.json"])
 def test_a_torn_newest_checkpoint_falls_back_to_the_previous_one(model_dir, tmp_path, damaged):
-    """Regression: a torn tuner.json gave a traceback, and no torn file let resume use the previous
+    """Regression: a torn drafting.json (then tuner.json) gave a traceback, and no torn file let resume use the previous
     complete checkpoint."""
     fields = dict(FIELDS, speculative="adaptive", tuner={"arms": ("off", "ngram-d4")}, eval={"every": 0})
     config = tiny_config(model_dir, **fields)

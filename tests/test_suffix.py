@@ -2,10 +2,13 @@
 
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tlt.speculative.suffix import HISTORY, PROMPT, SAMPLES, Source, SuffixAutomaton, SuffixIndex, draft_tree
+from tlt.speculative.suffix import (CALIBRATION_HALVE, HISTORY, PRIOR_WEIGHT, PROMPT, SAMPLES, Calibration, Source,
+                                   SuffixAutomaton, SuffixIndex, draft_tree)
 
 streams = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=4)
 
@@ -134,6 +137,46 @@ def test_a_floor_keeps_the_nodes_the_sources_agree_on():
     assert index.tree(text, 4, 8, floor=0.3)[:2] == ([4, 3], [0, 0])
     assert index.tree(text, 4, 8, floor=0.7)[0] == []
 
+
+
+def test_calibration_starts_at_the_frequency_and_learns_from_every_weighed_continuation():
+    cal = Calibration()
+    assert cal.probability(1, 1) == 1.0 and cal.probability(1, 4) == 0.25  # nothing verified yet
+    assert Calibration.key(3, 4) == (3, 1) and Calibration.key(40, 50) == (16, 10)  # (count, others), capped
+    # after the root the drafter weighed 7 (key (1, 0)); after node 1 (rejected), 8: the target drew 9 at the root
+    for _ in range(12):
+        cal.record({0: {7: (1, 0)}, 1: {8: (1, 0)}}, [0], [9])
+    assert cal.table == {(1, 0): [12.0, 0.0]}  # what follows a rejected node tells nothing
+    assert cal.probability(1, 1) == pytest.approx(PRIOR_WEIGHT / (12 + PRIOR_WEIGHT))
+    # 5 (3 of 4 times) was drafted and taken; 6 (1 of 4) was weighed and not drafted: both are learned
+    for _ in range(12):
+        cal.record({0: {5: (3, 1), 6: (1, 3)}}, [0, 1], [5, 2])
+    assert cal.probability(3, 4) == pytest.approx((12 + PRIOR_WEIGHT * 0.75) / (12 + PRIOR_WEIGHT))
+    assert cal.probability(1, 4) == pytest.approx(PRIOR_WEIGHT * 0.25 / (12 + PRIOR_WEIGHT))
+    other = Calibration()
+    other.load_state_dict(cal.state_dict())
+    assert other.table == cal.table
+    for _ in range(CALIBRATION_HALVE):  # a key halves its counts as it fills: it follows a changing policy
+        cal.record({0: {4: (2, 2)}}, [0], [4])
+    assert cal.table[(2, 2)] == [CALIBRATION_HALVE / 2] * 2
+
+
+def test_a_calibrated_tree_ranks_and_floors_by_the_measured_acceptance():
+    """4 follows [1, 2] in two histories of three, 3 in one: by frequency 4 comes first; once verification
+    has shown that a continuation seen twice against one other is rarely taken and one seen once against two
+    mostly is, 3 comes first, and a floor of 0.5 keeps 3 alone."""
+    prompt = [5]
+    index = SuffixIndex(prompt, history=[[1, 2, 3], [1, 2, 4], [1, 2, 4]])
+    text = prompt + [1, 2]
+    index.add(text, len(prompt))
+    weighed = {}
+    assert index.tree(text, 4, 8, candidates=weighed)[:2] == ([4, 3], [0, 0])
+    assert weighed[0] == {4: (2, 1), 3: (1, 2)}  # the root's continuations; its children's have none to weigh
+    cal = Calibration()
+    for _ in range(40):
+        cal.record(weighed, [0, 2], [3, 9])
+    assert index.tree(text, 4, 8, calibration=cal)[:2] == ([3, 4], [0, 0])
+    assert index.tree(text, 4, 8, floor=0.5, calibration=cal)[:2] == ([3], [0])
 
 @settings(max_examples=60, deadline=None)
 @given(streams, st.integers(1, 6), st.floats(0.01, 0.99))

@@ -15,7 +15,7 @@ from tlt.speculative.history import HistoryDrafts
 from test_speculative import (VOCAB, chi_square_pvalue, engine, exact_three_token_distribution, random_target,
                               tokens_of)
 
-STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8", "suffix-d8-v16-p30", "hybrid-d3-k2-v8-p20"]
+STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8", "suffix-d8-v16-p30", "hybrid-d3-k2-v8-p20", "suffix-d8-v16-p30-c0"]
 
 
 def least_likely_continuations(target, prompt, length, count):
@@ -136,8 +136,12 @@ def test_sampling_with_an_adversarial_history_is_exact():
 
 
 def test_strategy_names_of_the_new_arms():
-    for name in ("suffix-d16-v32", "hybrid-d4-k2-v16", "suffix-d16-v32-p20", "hybrid-d4-k2-v16-p10"):
+    for name in ("suffix-d16-v32", "hybrid-d4-k2-v16", "suffix-d16-v32-p20", "hybrid-d4-k2-v16-p10", "suffix-d16-v32-p20-c0"):
         assert Strategy.parse(name).name == name and Strategy.parse(name).target_only
+    assert Strategy.parse("suffix-d16-v32-c0").calibrated == 0 and Strategy.parse("suffix-d16-v32").calibrated == 1
+    for refused in ("tree-d4-k2-v8-c0", "suffix-d16-v32-c2"):
+        with pytest.raises(tlt.ConfigError, match="calibrated"):
+            Strategy.parse(refused)
     assert Strategy.parse("hybrid-d4-k2-v16-p10").learned_tree.name == "tree-d4-k2-v16-p10"
     for refused in ("ngram-d4-p20", "suffix-d16-v32-p100"):
         with pytest.raises(tlt.ConfigError, match="prune"):
@@ -145,3 +149,27 @@ def test_strategy_names_of_the_new_arms():
     assert Strategy.parse("hybrid-d4-k2-v16").uses_drafter and not Strategy.parse("suffix-d16-v32").uses_drafter
     with pytest.raises(tlt.ConfigError):
         Strategy.parse("hybrid-d8-k2-v4")
+
+
+def test_the_calibration_learns_during_a_rollout_and_travels_with_the_drafting_state():
+    """A suffix rollout fills the decoder's calibration from its verifications; `drafting_state` carries it
+    (and the tuner's state) to a fresh engine, which then drafts as the first would."""
+    target = random_target()
+    prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11)]
+    params = tlt.SamplingParams(n=3, temperature=1.0, max_tokens=30, seed=3, ignore_eos=True)
+    history = histories(target, prompts, params, "plain")
+    first = engine(target, "suffix-d8-v16-p30")
+    first.generate(prompts, params, history=history)
+    table = first.decoder.calibration.table
+    assert table and sum(r for r, _ in table.values()) > 0
+    state = first.drafting_state()
+    assert state["tuner"] is None and state["calibration"]["table"]
+    second = engine(target, "suffix-d8-v16-p30")
+    second.load_drafting_state(state)
+    assert second.decoder.calibration.table == table
+    first.reset_stats()
+    again = [first.generate(prompts, params, history=history), second.generate(prompts, params, history=history)]
+    assert tokens_of(again[0]) == tokens_of(again[1])
+    assert first.stats()["step_drafted"] == second.stats()["step_drafted"]  # the same drafts, step by step
+    assert first.decoder.calibration.table == second.decoder.calibration.table
+    assert tlt.RolloutEngine(target).drafting_state() is None

@@ -38,6 +38,7 @@ class AdaptiveDecoder:
         self.spec, self.tuner, self.max_draft_tokens = spec, tuner, max_draft_tokens
         self.output_layers = spec.output_layers
         self.drafter = spec.drafter
+        self.calibration = spec.calibration
 
     @classmethod
     def from_config(cls, model, config: EngineConfig, log) -> "AdaptiveDecoder":

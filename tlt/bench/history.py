@@ -155,7 +155,8 @@ class PairedRollout:
 
 def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
     """A run drafting with `suffix`, each training rollout generated again by every `paired` strategy on
-    the same samples: (config, problems, per-step rows, per-rollout records of PairedRollout)."""
+    the same samples: (config, problems, per-step rows, per-rollout records of PairedRollout, the run's own
+    engine's suffix calibration as `calibration_rows` reads it)."""
     from tlt.errors import ConfigError
     from dataclasses import replace
 
@@ -213,8 +214,17 @@ def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
         rows.append(row)
         log(f"step {row['step']:3d} epoch {row['epoch']}  " + "  ".join(
             f"{name} {row[name]['acceptance_length']:.2f}" for name in record if row[name]["row_steps"]))
+    calibration = calibration_rows(trainer.engine.decoder.calibration)
     trainer.close()
-    return config, problems, rows, trainer.rollout_backend.rollouts
+    return config, problems, rows, trainer.rollout_backend.rollouts, calibration
+
+
+def calibration_rows(calibration) -> list[dict]:
+    """A suffix.Calibration's table as rows: how often verification accepted a draft node whose parent it
+    accepted, per (count of the node's token after its context, count of the other tokens), both capped
+    (after the table's halvings: the recent share of what it saw)."""
+    return [{"count": c, "others": o, "reached": round(r, 1), "accepted": round(a, 1), "rate": a / r}
+            for (c, o), (r, a) in sorted(calibration.table.items()) if r]
 
 
 def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
@@ -225,7 +235,7 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         raise ConfigError("--paired off has no acceptance to compare (plain decoding drafts nothing); "
                           "it is a system of --measure buckets")
     start = time.perf_counter()
-    config, problems, rows, _ = paired_run(base, suffix, paired, log)
+    config, problems, rows, _, calibration = paired_run(base, suffix, paired, log)
     systems = [suffix, *paired]
 
     def pooled(name, rows, key="tokens"):
@@ -253,7 +263,7 @@ def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
         "suffix_sources_epoch_2_on": sources,
         "source_acceptance_epoch_2_on": {name: c[1] / c[0] for name, c in sources.items() if c[0]},
         "same_samples": all(r[name].get("same_samples", True) for r in rows for name in paired),
-        "rows": rows, "wall_s": time.perf_counter() - start,
+        "calibration": calibration, "rows": rows, "wall_s": time.perf_counter() - start,
     }
     ratio = result["ratio"]
     drafted = result["drafted_per_row_step_epoch_2_on"]
@@ -273,7 +283,7 @@ def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
 
     paired = list(paired) if "off" in paired else ["off", *paired]
     start = time.perf_counter()
-    config, problems, rows, records = paired_run(base, suffix, paired, log)
+    config, problems, rows, records, calibration = paired_run(base, suffix, paired, log)
     tuner = Tuner(config.tuner)  # its buckets only
     repeated = any(row["epoch"] >= 2 for row in rows)
     counted = [r for r, row in zip(records, rows) if row["epoch"] >= 2 or not repeated]
@@ -291,7 +301,7 @@ def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
         "decode_seconds": seconds, "speedup_over_off": {name: seconds["off"] / s for name, s in seconds.items() if s},
         "buckets": by_system, "best_by_bucket": best, "per_bucket_bound_over_off": bound,
         "same_samples": all(r[name]["same_samples"] for r in records for name in paired),
-        "wall_s": time.perf_counter() - start,
+        "calibration": calibration, "wall_s": time.perf_counter() - start,
     }
     for label, winner in best.items():
         log(f"  {label:>7} rows  " + "  ".join(f"{name} {by_system[name]['tokens_per_s'][label] or 0:6.0f}"

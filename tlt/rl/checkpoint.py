@@ -7,7 +7,9 @@ Layout of a run directory:
     checkpoints/step_00000k/
         policy/              a Hugging Face folder (config.json, model.safetensors, tokenizer)
         trainer_state.pt     optimizer, torch and Python RNG states, step, policy version, data position
-        tuner.json           {"tuners": [...]}: each rollout worker's tuner state (null: it has none)
+        drafting.json        {"workers": [...]}: each rollout worker's drafting state, its tuner's and its
+                             suffix drafts' calibration (null: it has none); checkpoints of earlier
+                             versions hold tuner.json, {"tuners": [...]}, the tuners' alone
         drafter/             the drafter, when it is trained during the run
         drafter_buffer/      the online buffer it trains on (buffer.safetensors, buffer.json), unless
                              drafter.buffer_checkpoint=false
@@ -36,6 +38,9 @@ from tlt.errors import CheckpointError
 from tlt.io import atomic_folder, atomic_write_bytes, atomic_write_json
 
 
+DRAFTING_FILE = "drafting.json"  # the rollout workers' drafting states
+LEGACY_TUNER_FILE = "tuner.json"  # what earlier versions saved instead: the tuners' states alone
+
 @dataclass
 class TrainerState:
     """The GRPO trainer's own state (trainer_state.pt): its step (the policy version), the data position,
@@ -60,10 +65,10 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: TrainerState,
-                    tuners: list[dict | None] | None = None, drafter=None, keep: int = 2,
+                    drafting: list[dict | None] | None = None, drafter=None, keep: int = 2,
                     online_buffer=None) -> Path:
     """Checkpoint `step` of the run in `run_dir` (the layout of the module docstring): the policy and its
-    tokenizer, the trainer's `state`, the rollout workers' `tuners` states, the drafter trainer's state
+    tokenizer, the trainer's `state`, the rollout workers' `drafting` states, the drafter trainer's state
     (`drafter`, a spot.checkpoint.StateSnapshot) and the online buffer; the `keep` newest stay."""
     root = run_dir / "checkpoints"
     final = checkpoint_dir(run_dir, step)
@@ -74,8 +79,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, state: TrainerS
             buffer = io.BytesIO()
             torch.save(state.as_dict(), buffer)
             atomic_write_bytes(tmp / "trainer_state.pt", buffer.getvalue())
-            if tuners is not None:
-                atomic_write_json(tmp / "tuner.json", {"tuners": tuners})
+            if drafting is not None:
+                atomic_write_json(tmp / DRAFTING_FILE, {"workers": drafting})
             if drafter is not None:
                 drafter.save(tmp / "drafter")
             if online_buffer is not None:
@@ -140,16 +145,18 @@ def checkpoints_newest_first(run_dir: Path) -> list[Path]:
 @dataclass
 class SavedCheckpoint:
     """A run checkpoint read into memory and checked: the trainer state, the policy's tensors, the
-    workers' tuner states and the drafter trainer's state (None where the run had none). The online
+    workers' drafting states (and the file they came from) and the drafter trainer's state (None where the
+    run had none). The online
     buffer, which may be large, is read when it is restored (OnlineBuffer.load checks it before it
     replaces anything)."""
 
     folder: Path
     state: TrainerState
     policy: dict[str, torch.Tensor]
-    tuners: list[dict | None] | None
+    drafting: list[dict | None] | None
     drafter: dict | None
     buffer: Path | None
+    drafting_file: Path | None = None
 
 
 def read_checkpoint(folder: Path) -> SavedCheckpoint:
@@ -159,23 +166,26 @@ def read_checkpoint(folder: Path) -> SavedCheckpoint:
 
     state = load_state(folder)
     policy = read_tensors(folder / "policy")
-    tuners = read_tuners(folder / "tuner.json") if (folder / "tuner.json").exists() else None
+    drafting_file = next((folder / name for name in (DRAFTING_FILE, LEGACY_TUNER_FILE) if (folder / name).exists()), None)
+    drafting = read_drafting(drafting_file) if drafting_file is not None else None
     drafter = read_state(folder / "drafter") if (folder / "drafter").is_dir() else None
     buffer = folder / "drafter_buffer" if (folder / "drafter_buffer").is_dir() else None
-    return SavedCheckpoint(folder, state, policy, tuners, drafter, buffer)
+    return SavedCheckpoint(folder, state, policy, drafting, drafter, buffer, drafting_file)
 
 
-def read_tuners(path: Path) -> list[dict | None]:
-    """The workers' tuner states of a tuner.json ({"tuners": [...]}, or one tuner's state alone)."""
+def read_drafting(path: Path) -> list[dict | None]:
+    """The workers' drafting states of a drafting.json ({"workers": [...]}), or their tuner states of an
+    earlier version's tuner.json ({"tuners": [...]}, or one tuner's state alone)."""
     from tlt.model.checkpoint import read_json
 
     saved = read_json(path)
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{path}: not a tuner state (a JSON object expected)")
-    tuners = saved["tuners"] if "tuners" in saved else [saved]
-    if not isinstance(tuners, list):
-        raise CheckpointError(f"{path}: not a tuner state ('tuners' is not a list)")
-    return tuners
+        raise CheckpointError(f"{path}: not a drafting state (a JSON object expected)")
+    key = "workers" if path.name == DRAFTING_FILE else "tuners"
+    states = saved.get(key, None if key == "workers" else [saved])
+    if not isinstance(states, list) or not all(s is None or isinstance(s, dict) for s in states):
+        raise CheckpointError(f"{path}: not a drafting state ({key!r} is not a list of objects and nulls)")
+    return states
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:

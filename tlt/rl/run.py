@@ -75,7 +75,7 @@ def train(config: TrainConfig, run_dir: str | Path, resume: bool = False, log=pr
             log(table_row(row))
             if c.save_every and (trainer.step % c.save_every == 0 or trainer.step == c.steps):
                 save_checkpoint(run_dir, trainer.step, trainer.policy, trainer.tokenizer, trainer.state(),
-                                trainer.tuner_states(), drafter=trainer.drafter_snapshot(), keep=c.keep_checkpoints,
+                                trainer.drafting_states(), drafter=trainer.drafter_snapshot(), keep=c.keep_checkpoints,
                                 online_buffer=trainer.drafter_buffer())
             done += 1
     finally:

@@ -486,11 +486,11 @@ class GRPOTrainer:
                 self.log(f"{saved.buffer}: the run is resumed without drafter training; its online buffer is not loaded")
             else:
                 learning.buffer.load(saved.buffer)
-        if saved.tuners is not None:
+        if saved.drafting is not None:
             try:
-                self.rollout_backend.load_tuner_states(saved.tuners)
-            except (KeyError, TypeError, ValueError, IndexError) as exc:
-                raise CheckpointError(f"{saved.folder / 'tuner.json'}: not a tuner state ({type(exc).__name__}: "
+                self.rollout_backend.load_drafting_states(saved.drafting)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+                raise CheckpointError(f"{saved.drafting_file}: not a drafting state ({type(exc).__name__}: "
                                       f"{exc})") from None
         self.policy.load_state_dict(saved.policy, strict=False)
         state = saved.state
@@ -522,9 +522,9 @@ class GRPOTrainer:
         learning = self.rollout_backend.learning
         return learning.buffer if learning is not None and self.config.drafter.buffer_checkpoint else None
 
-    def tuner_states(self) -> list[dict | None]:
-        """The rollout side's state for a checkpoint: every worker's tuner state (None: it has none)."""
-        return self.rollout_backend.tuner_states()
+    def drafting_states(self) -> list[dict | None]:
+        """The rollout side's state for a checkpoint: every worker's drafting state (None: it has none)."""
+        return self.rollout_backend.drafting_states()
 
     def close(self) -> None:
         self.reward.close()

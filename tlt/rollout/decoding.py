@@ -46,12 +46,14 @@ class Decoder(Protocol):
     """What the engine calls, in the order of a rollout: `start` once per generate call, `prefill` for
     every admitted set of groups, `decode` every step, `appended` after every append of tokens, and
     `acceptance_length` when a sequence's completion is built. `output_layers` are the target layers
-    whose outputs the prefill forward must return; `drafter` (the learned drafter, or None) and
-    `tuner` (the adaptive tuner, or None) are what the engine exposes of it."""
+    whose outputs the prefill forward must return; `drafter` (the learned drafter, or None), `tuner`
+    (the adaptive tuner, or None) and `calibration` (the suffix drafts' speculative.suffix.Calibration, or
+    None) are what the engine exposes of it."""
 
     output_layers: tuple[int, ...]
     drafter: torch.nn.Module | None
     tuner: object | None
+    calibration: object | None
 
     def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[object | None]]:
         """Per prompt, the state of each of its `samples` rows (None: the decoder keeps none). `history`
@@ -106,6 +108,7 @@ class PlainDecoder:
     output_layers: tuple[int, ...] = ()
     drafter = None
     tuner = None
+    calibration = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

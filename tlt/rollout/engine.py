@@ -70,6 +70,29 @@ class RolloutEngine:
         load_state_dict() carry it across RL steps and runs."""
         return self.decoder.tuner
 
+    def drafting_state(self) -> dict | None:
+        """What the decoder has learned about drafting, for a run checkpoint (plain JSON types): the tuner's
+        state and the suffix drafts' calibration; None where it learns nothing (plain decoding). Neither
+        changes a sample, only which drafts are tried: a resumed run drafts as the uninterrupted one."""
+        tuner, calibration = self.decoder.tuner, self.decoder.calibration
+        if tuner is None and calibration is None:
+            return None
+        return {"tuner": tuner.state_dict() if tuner is not None else None,
+                "calibration": calibration.state_dict() if calibration is not None else None}
+
+    def load_drafting_state(self, state: dict | None) -> None:
+        """Restore `drafting_state()` output; a bare tuner state (what checkpoints held before the
+        calibration) restores the tuner alone."""
+        if state is None:
+            return
+        if "buckets" in state:
+            state = {"tuner": state}
+        tuner, calibration = self.decoder.tuner, self.decoder.calibration
+        if state.get("tuner") is not None and tuner is not None:
+            tuner.load_state_dict(state["tuner"])
+        if state.get("calibration") is not None and calibration is not None:
+            calibration.load_state_dict(state["calibration"])
+
     @property
     def drafter(self):
         """The learned drafter chain and tree strategies draft with (None: n-gram and off only)."""

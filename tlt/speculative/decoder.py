@@ -49,7 +49,7 @@ from tlt.rollout.sampling import warp_logprobs
 from tlt.rollout.sequence import Sequence
 from tlt.speculative.drafter import Drafter, check_tensors
 from tlt.speculative.strategy import Strategy
-from tlt.speculative.suffix import SuffixAutomaton, SuffixIndex
+from tlt.speculative.suffix import Calibration, SuffixAutomaton, SuffixIndex
 from tlt.speculative.tree import chain_draft, expand, list_draft, node_depths
 from tlt.speculative.verify import one_hot_logprobs, speculative_sample_chain, walk
 
@@ -202,6 +202,9 @@ class SpeculativeDecoder:
         if self.strategy.uses_drafter and drafter is None:
             raise ValueError(f"strategy {self.strategy.name} needs a drafter")
         self.output_layers = tuple(drafter.output_layers) if drafter is not None else ()
+        # What fraction of suffix draft nodes verification accepts, learned from every suffix draft it
+        # verifies (suffix.Calibration): kept for the engine's life, across rollouts, as the tuner is.
+        self.calibration = Calibration()
 
     @classmethod
     def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":
@@ -262,12 +265,12 @@ class SpeculativeDecoder:
         strategy = strategy or self.strategy
         if strategy.kind == "off":
             return self._plain(batch)
-        names = None  # per row, the source of each draft node (suffix and hybrid drafts)
+        names = weighed = None  # per row, each draft node's source and what the suffix drafter weighed
         if strategy.kind == "ngram":
             proposals = [s.state.index.propose(s.state.text, strategy.depth) for s in batch.seqs]
             draft = chain_draft(batch.last_tokens, proposals)
         elif strategy.uses_history:
-            draft, names = self._suffix_draft(batch, strategy)
+            draft, names, weighed = self._suffix_draft(batch, strategy)
         else:
             draft = self._learned_draft(batch, strategy)
         result = self._verify(batch, draft)
@@ -275,6 +278,9 @@ class SpeculativeDecoder:
         result.drafted = int(draft.valid[:, 1:].sum())
         if names is not None:
             result.sources = credit_sources(names, result.visited, result.tokens)
+            for candidates, path, emitted in zip(weighed, result.visited, result.tokens):
+                if candidates is not None:  # a suffix row (not a hybrid's learned one)
+                    self.calibration.record(candidates, path, emitted)
         return result
 
     def _learned_draft(self, batch, strategy: Strategy):
@@ -289,11 +295,14 @@ class SpeculativeDecoder:
         hybrid = strategy.kind == "hybrid"
         depth = strategy.verify_tokens if hybrid else strategy.depth
         floor = strategy.prune / 100
-        trees = [s.state.index.tree(s.state.text, depth, strategy.verify_tokens, floor) for s in batch.seqs]
+        calibration = self.calibration if strategy.calibrated else None
+        weighed: list = [{} for _ in batch.seqs]  # per row, the continuations weighed after each node
+        trees = [s.state.index.tree(s.state.text, depth, strategy.verify_tokens, floor, calibration, w)
+                 for s, w in zip(batch.seqs, weighed)]
         rows = [(tokens, parents) for tokens, parents, _, _ in trees]
         names = [n for _, _, n, _ in trees]
         # a row whose suffix tree (as its match and floor leave it) is no deeper than the learned one's
-        short = [b for b, (_, parents) in enumerate(rows) if max(node_depths(parents)) <= strategy.depth] if hybrid else []
+        short = {b for b, (_, parents) in enumerate(rows) if max(node_depths(parents)) <= strategy.depth} if hybrid else set()
         if short:
             learned = self._learned_draft(batch, strategy.learned_tree)
             tokens, parents = learned.tokens[:, 1:].tolist(), learned.parents[:, 1:].tolist()
@@ -301,7 +310,9 @@ class SpeculativeDecoder:
             for b in short:
                 rows[b] = (tokens[b][:kept[b]], parents[b][:kept[b]])
                 names[b] = ["drafter"] * kept[b]
-        return list_draft(batch.last_tokens, rows), names
+        for b in short:
+            weighed[b] = None
+        return list_draft(batch.last_tokens, rows), names, weighed
 
     # --- steps -------------------------------------------------------------------------------------
     def _plain(self, batch) -> DecodeResult:

@@ -23,12 +23,20 @@ start at the prompt's last state, so the prompt is counted once. Every state als
 positions per source kind (prompt, history, samples), and remembers the text of the latest one: that
 names where a draft token came from (the metrics), never what is drafted.
 
-Drafting (`draft_tree`) is best-first: a node's score is the product of the conditional frequencies on
+Drafting (`draft_tree`) is best-first: a node's score is the product of the conditional probabilities on
 its path; the `budget` best nodes up to `max_depth` are kept. When several automata draft (the group's,
 and a read-only one over the run's recent responses to any prompt), their conditional frequencies are
 averaged with weights equal to their matched lengths: a longer context is the better witness. A
 source's state follows the drafted path; where the path leaves what it has seen, it backs off along
 suffix links (a shorter context) and drops out below `min_match` tokens.
+
+A raw frequency is a poor probability. On the bench policy (docs/results/README.md, "Calibrated suffix
+drafts"), of the continuations the target could take (their parent accepted), one seen once with no other
+after its context was taken 78% of the time, seen three times with no other 95%, seen once against one other
+20% (its frequency says 50%), once against eight others 5%. `Calibration` learns the rate per (count of the
+continuation, count of the others) from the run's own verifications, and the drafter ranks and floors by
+it: a pruned draft then keeps the paths the target is likely to take, which made the 50% floor 1.38x plain
+decoding there against 1.20x for the best floor on raw frequencies.
 """
 
 from __future__ import annotations
@@ -167,18 +175,76 @@ def source_name(src: Source, state: int) -> str:
     return src.kind_names[kind]
 
 
+CALIBRATION_CAP = 16  # counts a calibration key tells apart (min(count, CAP)), per side
+PRIOR_WEIGHT = 4.0  # verifications the raw frequency weighs as, in a key's estimate
+CALIBRATION_HALVE = 4096  # a key's counts halve once it has seen this many parents accepted (tracks the policy)
+
+
+class Calibration:
+    """Acceptance of a suffix draft node given that its parent was accepted, per key (count of its token
+    after the context, count of every other token after it), both capped at CALIBRATION_CAP. A key's
+    estimate is (accepted + w f) / (reached + w) for the raw frequency f = count / (count + others) and
+    w = PRIOR_WEIGHT: the frequency before any verification, the measured rate after many. Counts halve
+    once a key has CALIBRATION_HALVE, so the table follows a policy that RL changes. It decides drafts
+    only: verification is target-only, so the samples do not depend on it.
+
+    It learns from every continuation the drafter weighed, drafted or not: at each node of the accepted
+    path the target drew one token, so each candidate child of that node (kept or cut by the budget or the
+    floor) would have been accepted exactly when it is that token. Learning only from drafted nodes would
+    freeze a key whose estimate once fell under an arm's floor (never drafted again, never measured again)."""
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[int, int], list[float]] = {}  # key -> [parents accepted, node accepted]
+
+    @staticmethod
+    def key(count: int, mass: int) -> tuple[int, int]:
+        return min(count, CALIBRATION_CAP), min(mass - count, CALIBRATION_CAP)
+
+    def probability(self, count: int, mass: int) -> float:
+        """The estimated acceptance of a continuation seen `count` times of `mass`."""
+        frequency = count / mass
+        seen = self.table.get(self.key(count, mass))
+        if seen is None:
+            return frequency
+        return (seen[1] + PRIOR_WEIGHT * frequency) / (seen[0] + PRIOR_WEIGHT)
+
+    def record(self, candidates: dict[int, dict[int, tuple[int, int]]], path: list[int], emitted: list[int]) -> None:
+        """Learn from one verified draft: candidates[n] maps each token the drafter weighed after node n (0:
+        the root) to its key; `path` is the accepted path (root first) and emitted[j] the token the target
+        drew at path[j]. Candidates after a rejected node tell nothing."""
+        table = self.table
+        for node, drawn in zip(path, emitted):
+            for token, key in candidates.get(node, {}).items():
+                seen = table.setdefault(key, [0.0, 0.0])
+                seen[0] += 1
+                seen[1] += token == drawn
+                if seen[0] >= CALIBRATION_HALVE:
+                    seen[0] /= 2
+                    seen[1] /= 2
+
+    def state_dict(self) -> dict:
+        return {"table": [[c, o, r, a] for (c, o), (r, a) in sorted(self.table.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.table = {(int(c), int(o)): [float(r), float(a)] for c, o, r, a in state["table"]}
+
+
 def max_depth_for(matched: int, cap: int) -> int:
     """Draft depth a match of `matched` tokens earns: longer matches, deeper drafts."""
     return max(0, min(cap, math.ceil(matched * DEPTH_PER_MATCHED_TOKEN)))
 
 
 def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: int = 1, floor: float = 0.0,
-               scores: list[float] | None = None) -> tuple[list[int], list[int], list[str], int]:
+               scores: list[float] | None = None, calibration: Calibration | None = None,
+               candidates: dict | None = None) -> tuple[list[int], list[int], list[str], int]:
     """The best `budget` continuation nodes up to `max_depth` deep, of those whose path score (the product
-    of the match-weighted continuation frequencies along it) is at least `floor`. Returns (tokens, parents,
-    names, matched): node i + 1 has token tokens[i] and parent parents[i] (0: the root, the row's last
-    token), parents before children; names[i] is the node's source; matched is the longest match. Nodes
-    come best score first; `scores`, when given, receives each node's."""
+    of the conditional probabilities along it: the match-weighted continuation frequencies, or with
+    `calibration` its estimates from the sources' summed counts) is at least `floor`. Returns (tokens,
+    parents, names, matched): node i + 1 has token tokens[i] and parent parents[i] (0: the root, the row's
+    last token), parents before children; names[i] is the node's source; matched is the longest match.
+    Nodes come best score first; `scores`, when given, receives each node's, `candidates` per expanded
+    node (0: the root) every continuation weighed after it, token -> calibration key (what
+    `Calibration.record` learns from), kept or not."""
     start = []
     for src in sources:
         state, matched = src.sam.backoff(src.state, src.matched)
@@ -194,8 +260,9 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
 
     def push_children(node: int, depth: int, score: float, views: list) -> None:
         nonlocal order
-        merged: dict[int, list] = {}  # token -> [weighted probability, best (weight, src, child)]
+        merged: dict[int, list] = {}  # token -> [weighted probability, best (weight, src, child), count]
         total_weight = sum(m for _, _, m in views)
+        total_mass = 0
         for src, state, matched in views:
             sam = src.sam
             children = sam.next[state]
@@ -203,14 +270,21 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
             mass = sum(counts.values())
             if mass == 0:
                 continue
+            total_mass += mass
             for tok, child in children.items():
                 w = matched * counts[tok] / mass / total_weight
-                entry = merged.setdefault(tok, [0.0, (-1.0, None, 0)])
+                entry = merged.setdefault(tok, [0.0, (-1.0, None, 0), 0])
                 entry[0] += w
+                entry[2] += counts[tok]
                 if w > entry[1][0]:
                     entry[1] = (w, src, child)
-        for tok, (p, (_, src, child)) in merged.items():
+        weighed = candidates.setdefault(node, {}) if candidates is not None else None
+        for tok, (p, (_, src, child), count) in merged.items():
             order += 1
+            if weighed is not None:
+                weighed[tok] = Calibration.key(count, total_mass)
+            if calibration is not None:
+                p = calibration.probability(count, total_mass)
             heapq.heappush(heap, (-score * p, order, node, depth + 1, tok, source_name(src, child)))
 
     views_of = {0: [(src, state, matched) for src, state, matched in start]}
@@ -302,7 +376,8 @@ class SuffixIndex:
             out.append(Source(self.window, entry[4], entry[5], -1, ("window",) * len(KIND_NAMES)))
         return out
 
-    def tree(self, text: list[int], max_depth: int, budget: int, floor: float = 0.0
+    def tree(self, text: list[int], max_depth: int, budget: int, floor: float = 0.0,
+             calibration: Calibration | None = None, candidates: dict | None = None
              ) -> tuple[list[int], list[int], list[str], int]:
         """draft_tree over this row's sources."""
-        return draft_tree(self.sources(text), max_depth, budget, self.min_match, floor)
+        return draft_tree(self.sources(text), max_depth, budget, self.min_match, floor, None, calibration, candidates)

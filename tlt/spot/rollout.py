@@ -188,11 +188,12 @@ class RolloutBackend(Protocol):
         drafter the engines' (in-process at once, on a pool at the next rollout)."""
         ...
 
-    def tuner_states(self) -> list[dict | None]:
-        """The rollout side's checkpoint state: one tuner state (or None) per worker."""
+    def drafting_states(self) -> list[dict | None]:
+        """The rollout side's checkpoint state: each worker's drafting state (its tuner's and its suffix
+        calibration's, RolloutEngine.drafting_state), or None."""
         ...
 
-    def load_tuner_states(self, states: list[dict | None]) -> None:
+    def load_drafting_states(self, states: list[dict | None]) -> None:
         ...
 
     def close(self) -> None:
@@ -247,12 +248,12 @@ class LocalRollout:
             self.engine.load_drafter(learning.state["drafter"], learning.version)
         return report
 
-    def tuner_states(self) -> list[dict | None]:
-        return [self.engine.tuner.state_dict() if self.engine.tuner is not None else None]
+    def drafting_states(self) -> list[dict | None]:
+        return [self.engine.drafting_state()]
 
-    def load_tuner_states(self, states: list[dict | None]) -> None:
-        if states and states[0] is not None and self.engine.tuner is not None:
-            self.engine.tuner.load_state_dict(states[0])
+    def load_drafting_states(self, states: list[dict | None]) -> None:
+        if states:
+            self.engine.load_drafting_state(states[0])
 
     def close(self) -> None:
         if self.learning is not None:
@@ -373,14 +374,15 @@ class PooledRollout:
             self._drafter_version = self.learning.version
         return report
 
-    def tuner_states(self) -> list[dict | None]:
-        return self.pool.collect_tuners()
+    def drafting_states(self) -> list[dict | None]:
+        return self.pool.collect_drafting()
 
-    def load_tuner_states(self, tuners: list[dict | None]) -> None:
-        if tuners and len(tuners) == self.workers:
-            self.pool.load_tuners(tuners)
-        elif tuners:
-            self.log(f"tuner state of {len(tuners)} workers does not fit {self.workers} workers; tuners start fresh")
+    def load_drafting_states(self, states: list[dict | None]) -> None:
+        if states and len(states) == self.workers:
+            self.pool.load_drafting(states)
+        elif states:
+            self.log(f"drafting state of {len(states)} workers does not fit {self.workers} workers; "
+                     "tuners and calibrations start fresh")
 
     def close(self) -> None:
         if self.learning is not None:

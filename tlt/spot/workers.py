@@ -111,12 +111,11 @@ class RolloutWorker:
     def drafter_tensor(self, name: str) -> torch.Tensor:
         return self.engine.drafter.state_dict()[name].detach().clone().cpu()
 
-    def tuner_state(self) -> dict | None:
-        return self.engine.tuner.state_dict() if self.engine.tuner is not None else None
+    def drafting_state(self) -> dict | None:
+        return self.engine.drafting_state()
 
-    def load_tuner_state(self, state: dict | None) -> None:
-        if state is not None and self.engine.tuner is not None:
-            self.engine.tuner.load_state_dict(state)
+    def load_drafting_state(self, state: dict | None) -> None:
+        self.engine.load_drafting_state(state)
 
     def generate(self, prompts: list[list[int]], params: list, weights_version: int,
                  history=None) -> tuple[list, ShareStats]:
@@ -203,7 +202,7 @@ class RayPool:
         ray.get([a.ping.remote() for a in self.actors])
         self.policy: tuple[object, int] | None = None  # (object ref of the state, version)
         self.drafter: tuple[object, int] | None = None
-        self.tuners: list[dict | None] = [None] * len(self.specs)
+        self.drafting: list[dict | None] = [None] * len(self.specs)  # each worker's drafting state, last collected
         self.restarts = 0
 
     def __len__(self) -> int:
@@ -213,14 +212,14 @@ class RayPool:
         return self._actor_class.remote(spec)
 
     def restart(self, w: int):
-        """Replace worker w with a fresh actor at the current policy, drafter and tuner state."""
+        """Replace worker w with a fresh actor at the current policy, drafter and drafting state."""
         actor = self._spawn(self.specs[w])
         calls = []
         if self.policy is not None:
             calls.append(actor.load_weights.remote(*self.policy))
         if self.drafter is not None:
             calls.append(actor.load_drafter.remote(*self.drafter))
-        calls.append(actor.load_tuner_state.remote(self.tuners[w]))
+        calls.append(actor.load_drafting_state.remote(self.drafting[w]))
         self.ray.get(calls)
         self.actors[w] = actor
         self.restarts += 1
@@ -247,15 +246,15 @@ class RayPool:
         self.drafter = (ref, version)
         self.ray.get([a.load_drafter.remote(ref, version) for a in self.actors])
 
-    def collect_tuners(self) -> list[dict | None]:
-        self.tuners = self.ray.get([a.tuner_state.remote() for a in self.actors])
-        return self.tuners
+    def collect_drafting(self) -> list[dict | None]:
+        self.drafting = self.ray.get([a.drafting_state.remote() for a in self.actors])
+        return self.drafting
 
-    def load_tuners(self, states: Sequence[dict | None]) -> None:
+    def load_drafting(self, states: Sequence[dict | None]) -> None:
         if len(states) != len(self.actors):
-            raise ConfigError(f"tuner states for {len(states)} workers, the pool has {len(self.actors)}")
-        self.tuners = list(states)
-        self.ray.get([a.load_tuner_state.remote(s) for a, s in zip(self.actors, states)])
+            raise ConfigError(f"drafting states for {len(states)} workers, the pool has {len(self.actors)}")
+        self.drafting = list(states)
+        self.ray.get([a.load_drafting_state.remote(s) for a, s in zip(self.actors, states)])
 
     def close(self) -> None:
         for a in self.actors:
