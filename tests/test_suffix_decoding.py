@@ -173,3 +173,34 @@ def test_the_calibration_learns_during_a_rollout_and_travels_with_the_drafting_s
     assert first.stats()["step_drafted"] == second.stats()["step_drafted"]  # the same drafts, step by step
     assert first.decoder.calibration.table == second.decoder.calibration.table
     assert tlt.RolloutEngine(target).drafting_state() is None
+
+
+def test_the_first_rollout_with_history_makes_the_tuner_measure_the_history_arms_afresh():
+    """Measured without history, a suffix arm's rewards say little about it with history: the first rollout
+    that brings earlier responses clears them (the other arms keep theirs), once per run; the flag travels
+    in the tuner's state."""
+    target = random_target(seed=6)
+    prompts = [[3, 4, 5], [7, 8]]
+    params = tlt.SamplingParams(n=3, temperature=1.0, max_tokens=30, seed=5, ignore_eos=True)
+    tuner = TunerConfig(arms=("off", "ngram-d4", "suffix-d8-v16"))
+    spec = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", tuner=tuner))
+    spec.generate(prompts, params)
+    windows = {a.name: sum(len(b.windows[a]) for b in spec.tuner._buckets) for a in spec.tuner.arms}
+    assert windows["suffix-d8-v16"] > 0 and windows["ngram-d4"] > 0 and not spec.tuner.history_seen
+    history = histories(target, prompts, params, "plain")
+    spec.tuner.forget = forget = _Spy(spec.tuner.forget)
+    spec.generate(prompts, params, history=history)
+    assert forget.calls == [["suffix-d8-v16"]] and spec.tuner.history_seen
+    spec.generate(prompts, params, history=history)
+    assert len(forget.calls) == 1  # once per run
+    state = spec.drafting_state()
+    assert state["tuner"]["history_seen"] is True and state["calibration"]["table"]
+
+
+class _Spy:
+    def __init__(self, function):
+        self.function, self.calls = function, []
+
+    def __call__(self, arms):
+        self.calls.append([a.name for a in arms])
+        return self.function(arms)

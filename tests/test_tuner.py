@@ -445,3 +445,22 @@ def test_ucb_without_decay_stops_exploring_a_settled_bucket():
     tuner, rng = Tuner(TunerConfig(arms=arms, explore="ucb", decay=1.0)), random.Random(6)
     choices = run(tuner, 8, {"off": 40, "chain-d3": 90, "tree-d4-k2-v8": 100}, 3000, rng)
     assert sum(c != "tree-d4-k2-v8" for c in choices[2000:]) < sum(c != "tree-d4-k2-v8" for c in choices[:1000]) / 3
+
+
+def test_forget_makes_arms_untried_again_in_every_bucket():
+    tuner = Tuner(TunerConfig(arms=("off", "ngram-d4", "suffix-d8-v16"), explore="uniform", epsilon=0.5,
+                              prune_after=5))
+    rng = random.Random(0)
+    means = {"off": 100, "ngram-d4": 90, "suffix-d8-v16": 30}  # the suffix arm is pruned (< 0.5x)
+    for size in (1, 16):
+        run(tuner, size, means, 60, rng)
+    suffix = S("suffix-d8-v16")
+    assert all(suffix in tuner._buckets[tuner.bucket_of(size)].pruned for size in (1, 16))
+    tuner.forget([suffix])
+    for size in (1, 16):
+        bucket = tuner._buckets[tuner.bucket_of(size)]
+        assert suffix not in bucket.pruned and not bucket.windows[suffix] and bucket.windows[S("ngram-d4")]
+        assert tuner.choose(size) == suffix  # untried: measured first
+    with pytest.raises(ValueError, match="unknown arm"):
+        tuner.forget([S("tree-d4-k2-v8")])
+    assert Tuner.from_state_dict(json.loads(json.dumps(tuner.state_dict()))).history_seen is False

@@ -55,6 +55,15 @@ class AdaptiveDecoder:
 
     # --- engine hooks: the speculative decoder's, with the tuner choosing the strategy ---------------
     def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[object]]:
+        """The speculative decoder's rows; the first rollout that brings earlier responses makes the tuner
+        forget what the arms drafting from them earned without them (Tuner.forget)."""
+        if history is not None and any(history.responses) and not self.tuner.history_seen:
+            self.tuner.history_seen = True
+            arms = [arm for arm in self.tuner.arms if arm.uses_history]
+            if arms:
+                self.tuner.forget(arms)
+                self.tuner.log(f"tuner: the first rollout with earlier responses; {', '.join(a.name for a in arms)} "
+                               "measured afresh in every bucket")
         return self.spec.start(prompts, samples, history)
 
     def prefill(self, batch, ids, lengths, out, counts) -> None:

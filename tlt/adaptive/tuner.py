@@ -106,6 +106,14 @@ undecayed medians over whole windows rather than the decayed scores, which for a
 rest on its last few rewards. Each pruning is reported through `log` and recorded in `stats()`.
 prune_ratio = 0 disables it.
 
+History. Arms that draft from earlier responses to the prompt (suffix, hybrid) draft from the group alone
+until the run first sees a prompt again, and what they earned then says little about them after: on the bench
+policy, from a cold start over three epochs, a tuner with the calibrated suffix-d16-v32-p30 and -p50 ran plain
+decoding in most steps at 16-32 live rows, where from the second epoch on -p50 decodes 8-30% faster than plain
+decoding (docs/results/README.md, "Calibrated suffix drafts"). The first rollout that brings earlier responses makes the tuner forget those arms' rewards and
+prunings in every bucket (`forget`, called by the adaptive decoder; `history_seen` in the state), so they are
+measured again as untried.
+
 "off" is an arm in every bucket and is never pruned: the batch size at which speculation starts to pay
 is measured per bucket (and per drafter quality), not guessed as a fixed threshold, and there is
 always an arm left that any guard allows.
@@ -280,6 +288,7 @@ class Tuner:
         self.log = log or (lambda message: None)
         self._rng = random.Random(self.config.seed)
         self._buckets = [self._bucket(i) for i in range(len(self.config.buckets) + 1)]
+        self.history_seen = False  # whether a rollout has brought earlier responses (AdaptiveDecoder.start)
 
     def _bucket(self, i: int) -> _Bucket:
         return _Bucket(self.arms, self.config.window, self.config.buckets[i - 1] + 1 if i else 1)
@@ -460,6 +469,23 @@ class Tuner:
             for arm in arms:
                 bucket.pruned.pop(arm, None)
 
+    def forget(self, arms: Sequence[Strategy]) -> None:
+        """Drop every reward, step time and pruning of `arms` in every bucket, so they are measured again as
+        untried: what they draft from has changed so much that their past rewards mislead (the first rollout
+        whose prompts have earlier responses, for the arms that draft from them: measured without history,
+        they lost to arms that the history now beats)."""
+        self._check_arms(arms)
+        for bucket in self._buckets:
+            for arm in arms:
+                bucket.windows[arm].clear()
+                bucket.logs[arm].clear()
+                bucket.seconds[arm].clear()
+                bucket.pruned.pop(arm, None)
+                bucket.summaries.pop(arm, None)
+                bucket.weights.pop(arm, None)
+                if bucket.run is not None and bucket.run[0] == arm:
+                    bucket.run = None
+
     def _check_arms(self, arms: Sequence[Strategy]) -> None:
         for arm in arms:
             if arm not in self._buckets[0].choices:
@@ -505,6 +531,7 @@ class Tuner:
             "version": STATE_VERSION,
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.config).items()},
             "rng": [version, list(internal), gauss],
+            "history_seen": self.history_seen,
             "buckets": [{
                 "clock": b.clock,
                 "slope": b.slope,
@@ -552,6 +579,7 @@ class Tuner:
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
         self._buckets = buckets
+        self.history_seen = bool(state.get("history_seen", False))  # absent before it was kept
 
     @classmethod
     def from_state_dict(cls, state: dict, log: Callable[[str], None] | None = None) -> "Tuner":
