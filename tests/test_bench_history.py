@@ -43,7 +43,9 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     drafted = result["drafted_per_row_step_epoch_2_on"]
     assert 0 < drafted["ngram-d4"] <= 4 and 0 < drafted["suffix-d4-v4"] <= 4 and 0 < drafted["suffix-d8-v16"] <= 16
     assert first["acceptance_command"].startswith("tlt bench history --measure acceptance --problems 4")
-    assert main(["bench", "history", "--measure", "speedup", "--arms", "suffix-d8-v16", *shared]) == 0
+    plot = tmp_path / "choices.png"
+    assert main(["bench", "history", "--measure", "speedup", "--arms", "suffix-d8-v16", "--plot", str(plot), *shared]) == 0
+    assert plot.stat().st_size > 0
     both = json.loads(out.read_text())
     assert both["acceptance"] == result  # the first measurement's figures are kept
     speedup = both["speedup"]
@@ -54,6 +56,11 @@ def test_both_measurements_merge_into_one_json(tmp_path):
         assert set(speedup["breakdown_s"][name]) == {"rollout", "reward", "logprob", "update", "sync", "drafter"}
         assert speedup["breakdown_s"][name]["rollout"] == pytest.approx(speedup["rollout_s"][name])
     assert any("suffix-d8-v16" in arms for arms in speedup["choices_by_batch_size_with"].values())
+    per_epoch = speedup["choices_by_batch_size_with_by_epoch"]
+    assert sorted(per_epoch) == ["1", "2"] and sum(n for e in per_epoch.values() for a in e.values() for n in a.values()) == \
+        sum(n for a in speedup["choices_by_batch_size_with"].values() for n in a.values())
+    rollout = speedup["rollout_s_by_step"]
+    assert speedup["rollout_speedup_by_epoch"]["2"] == pytest.approx(sum(rollout["without"][2:]) / sum(rollout["with"][2:]))
     assert both["speedup_command"] == ("tlt bench history --measure speedup --problems 4 --epochs 2 "
                                        f"--prompts-per-step 2 --group 2 --arms suffix-d8-v16 model={model} "
                                        "drafter.model=none reward=reward_fixtures:digit_fraction max_response_tokens=16")

@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "baseline; buckets adds off)")
     parser.add_argument("--arms", default=",".join(SUFFIX_ARMS), help="speedup: the arms added to the tuner's")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--plot", help="speedup: draw the tuner's choice per live batch size, epoch 2 on, here (PNG)")
     parser.add_argument("--json", default="docs/results/history_drafts.json", help="merge the figures into this file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields of the runs")
 
@@ -94,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
         result = speedup(base, tuple(comma_list(args.arms)))
         figures = {"speedup_with_suffix_arms": result["rollout_speedup"], "speedup_command": command,
                    "speedup": result}
+        if args.plot:
+            from tlt.plots import strategy_by_batch
+
+            later = {size: n for e, by_size in result["choices_by_batch_size_with_by_epoch"].items() if int(e) >= 2
+                     for size, n in by_size.items()} or result["choices_by_batch_size_with"]
+            sizes, names = choice_steps(later)
+            print(f"wrote {strategy_by_batch(sizes, names, args.plot, 'tuner with the added arms, epoch 2 on')}")
     if args.json:
         from tlt.io import atomic_write_json
 
@@ -103,6 +111,23 @@ def run(args: argparse.Namespace) -> int:
         atomic_write_json(path, merged)
         print(f"wrote {path}")
     return 0
+
+
+def summed_choices(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """Steps per live batch size and arm over the metric rows' `strategy_by_batch`, batch sizes ascending."""
+    choices: dict[str, dict[str, int]] = {}
+    for r in rows:
+        for size, by_arm in r["strategy_by_batch"].items():
+            for arm, n in by_arm.items():
+                choices.setdefault(size, {}).setdefault(arm, 0)
+                choices[size][arm] += n
+    return dict(sorted(choices.items(), key=lambda kv: int(kv[0])))
+
+
+def choice_steps(choices: dict[str, dict[str, int]]) -> tuple[list[int], list[str]]:
+    """The (batch size, arm) of every step that `choices` counts, as the choice plot takes them."""
+    pairs = [(int(size), arm) for size, by_arm in choices.items() for arm, n in by_arm.items() for _ in range(n)]
+    return [s for s, _ in pairs], [a for _, a in pairs]
 
 
 def epoch_of(step: int, prompts_per_step: int, problems: int) -> int:
@@ -341,12 +366,8 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     def total(name, key):
         return sum(r[key] for r in rows[name])
 
-    choices: dict[str, dict[str, int]] = {}
-    for r in rows["with"]:
-        for size, by_arm in r["strategy_by_batch"].items():
-            for arm, n in by_arm.items():
-                choices.setdefault(size, {}).setdefault(arm, 0)
-                choices[size][arm] += n
+    epochs = [epoch_of(i, base.prompts_per_step, base.train_problems) for i in range(base.steps)]
+    by_epoch = {e: [i for i, x in enumerate(epochs) if x == e] for e in sorted(set(epochs))}
     result = {
         "model": base.model, "problems": base.train_problems, "group_size": base.group_size, "steps": base.steps,
         "arms_without": list(without), "arms_added": list(arms),
@@ -356,7 +377,12 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
         "breakdown_s": {name: {stage: total(name, f"time_{stage}_s") for stage in STAGES} for name in rows},
         "matching_steps": matching_steps(rows["without"], rows["with"]),
         "acceptance_length": {name: [r["acceptance_length"] for r in rows[name]] for name in rows},
-        "choices_by_batch_size_with": dict(sorted(choices.items(), key=lambda kv: int(kv[0]))),
+        "rollout_speedup_by_epoch": {e: sum(rows["without"][i]["time_rollout_s"] for i in steps) /
+                                     sum(rows["with"][i]["time_rollout_s"] for i in steps) for e, steps in by_epoch.items()},
+        "rollout_s_by_step": {name: [r["time_rollout_s"] for r in rows[name]] for name in rows},
+        "choices_by_batch_size_with": summed_choices(rows["with"]),
+        "choices_by_batch_size_with_by_epoch": {e: summed_choices([rows["with"][i] for i in steps])
+                                                for e, steps in by_epoch.items()},
         "draft_sources_with": [r.get("draft_sources") for r in rows["with"]],
         "wall_s": time.perf_counter() - start,
     }
