@@ -204,3 +204,37 @@ class _Spy:
     def __call__(self, arms):
         self.calls.append([a.name for a in arms])
         return self.function(arms)
+
+
+def test_drafting_states_of_every_version_load_and_a_bad_one_changes_nothing(tmp_path):
+    """A checkpoint's drafting.json holds {"workers": [...]}; earlier versions wrote tuner.json, {"tuners": [...]}
+    or one tuner's state alone: all are read. A drafting state whose calibration is out of bounds (an estimate
+    above 1 would break the drafts' best-first order) is refused before the tuner is touched."""
+    import json
+
+    from tlt.errors import CheckpointError
+    from tlt.rl.checkpoint import read_drafting
+
+    target = random_target(seed=6)
+    tuner = TunerConfig(arms=("off", "ngram-d4", "suffix-d8-v16"))
+    spec = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", tuner=tuner))
+    spec.generate([[3, 4, 5]], tlt.SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=5, ignore_eos=True))
+    state = spec.drafting_state()
+    for name, saved in (("drafting.json", {"workers": [state, None]}), ("tuner.json", {"tuners": [state["tuner"]]}),
+                        ("tuner.json", state["tuner"])):
+        (tmp_path / name).write_text(json.dumps(saved))
+        states = read_drafting(tmp_path / name)
+        fresh = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", tuner=tuner))
+        fresh.load_drafting_state(states[0])
+        assert fresh.tuner.state_dict() == spec.tuner.state_dict()
+    (tmp_path / "drafting.json").write_text(json.dumps({"tuners": []}))
+    with pytest.raises(CheckpointError, match="drafting.json: not a drafting state"):
+        read_drafting(tmp_path / "drafting.json")
+    fresh = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", tuner=tuner))
+    before = fresh.tuner.state_dict()
+    bad = {"tuner": state["tuner"], "calibration": {"table": [[1, 0, 2.0, 3.0]]}}
+    with pytest.raises(ValueError, match="calibration key"):
+        fresh.load_drafting_state(bad)
+    assert fresh.tuner.state_dict() == before and fresh.decoder.calibration.table == {}
+    with pytest.raises(ValueError, match="holds 'tuner' and 'calibration'"):
+        fresh.load_drafting_state({})

@@ -464,3 +464,5 @@ def test_forget_makes_arms_untried_again_in_every_bucket():
     with pytest.raises(ValueError, match="unknown arm"):
         tuner.forget([S("tree-d4-k2-v8")])
     assert Tuner.from_state_dict(json.loads(json.dumps(tuner.state_dict()))).history_seen is False
+    tuner.history_seen = True
+    assert Tuner.from_state_dict(json.loads(json.dumps(tuner.state_dict()))).history_seen is True

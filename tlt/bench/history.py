@@ -98,10 +98,11 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             from tlt.plots import strategy_by_batch
 
-            later = {size: n for e, by_size in result["choices_by_batch_size_with_by_epoch"].items() if int(e) >= 2
-                     for size, n in by_size.items()} or result["choices_by_batch_size_with"]
-            sizes, names = choice_steps(later)
-            print(f"wrote {strategy_by_batch(sizes, names, args.plot, 'tuner with the added arms, epoch 2 on')}")
+            by_epoch = result["choices_by_batch_size_with_by_epoch"]
+            later = [by_size for e, by_size in by_epoch.items() if int(e) >= 2]
+            title = "tuner with the added arms, " + ("epoch 2 on" if later else "epoch 1")
+            sizes, names = choice_steps(later or list(by_epoch.values()))
+            print(f"wrote {strategy_by_batch(sizes, names, args.plot, title)}")
     if args.json:
         from tlt.io import atomic_write_json
 
@@ -124,9 +125,11 @@ def summed_choices(rows: list[dict]) -> dict[str, dict[str, int]]:
     return dict(sorted(choices.items(), key=lambda kv: int(kv[0])))
 
 
-def choice_steps(choices: dict[str, dict[str, int]]) -> tuple[list[int], list[str]]:
-    """The (batch size, arm) of every step that `choices` counts, as the choice plot takes them."""
-    pairs = [(int(size), arm) for size, by_arm in choices.items() for arm, n in by_arm.items() for _ in range(n)]
+def choice_steps(choices: list[dict[str, dict[str, int]]]) -> tuple[list[int], list[str]]:
+    """The (batch size, arm) of every step that the `choices` tables (batch size -> arm -> steps) count, as the
+    choice plot takes them."""
+    pairs = [(int(size), arm) for table in choices for size, by_arm in table.items() for arm, n in by_arm.items()
+             for _ in range(n)]
     return [s for s, _ in pairs], [a for _, a in pairs]
 
 
@@ -366,7 +369,8 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     def total(name, key):
         return sum(r[key] for r in rows[name])
 
-    epochs = [epoch_of(i, base.prompts_per_step, base.train_problems) for i in range(base.steps)]
+    problems = len(trainers["with"].train_examples)
+    epochs = [epoch_of(i, base.prompts_per_step, problems) for i in range(base.steps)]
     by_epoch = {e: [i for i, x in enumerate(epochs) if x == e] for e in sorted(set(epochs))}
     result = {
         "model": base.model, "problems": base.train_problems, "group_size": base.group_size, "steps": base.steps,

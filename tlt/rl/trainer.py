@@ -463,7 +463,7 @@ class GRPOTrainer:
 
     def restore(self, saved) -> None:
         """Continue from a checkpoint read by `tlt.rl.checkpoint.read_checkpoint`. What can still fail
-        (the policy's names and shapes, the online buffer's files, the tuner state's fields) is checked
+        (the policy's names and shapes, the online buffer's files, the drafting states' fields) is checked
         first, so after a CheckpointError the caller can restore an older checkpoint over it. Weights of
         other names or shapes than the model's raise ConfigError instead: the run was resumed with another
         `model`, which no older checkpoint of the run mends."""

@@ -87,11 +87,16 @@ class RolloutEngine:
             return
         if "buckets" in state:
             state = {"tuner": state}
+        if not {"tuner", "calibration"} & set(state):
+            raise ValueError(f"a drafting state holds 'tuner' and 'calibration', got keys {sorted(state)}")
         tuner, calibration = self.decoder.tuner, self.decoder.calibration
+        if state.get("calibration") is not None and calibration is not None:
+            checked = type(calibration)()  # read whole before the tuner changes: a bad table leaves both as they were
+            checked.load_state_dict(state["calibration"])
         if state.get("tuner") is not None and tuner is not None:
             tuner.load_state_dict(state["tuner"])
         if state.get("calibration") is not None and calibration is not None:
-            calibration.load_state_dict(state["calibration"])
+            calibration.table = checked.table
 
     @property
     def drafter(self):

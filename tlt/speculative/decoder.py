@@ -278,8 +278,9 @@ class SpeculativeDecoder:
         result.drafted = int(draft.valid[:, 1:].sum())
         if names is not None:
             result.sources = credit_sources(names, result.visited, result.tokens)
-            for candidates, path, emitted in zip(weighed, result.visited, result.tokens):
-                if candidates is not None:  # a suffix row (not a hybrid's learned one)
+            sampled = (batch.temperature > 0).tolist()  # greedy rows (evaluations) take other paths than sampling
+            for candidates, path, emitted, learn in zip(weighed, result.visited, result.tokens, sampled):
+                if candidates is not None and learn:  # a sampled suffix row (not a hybrid's learned one)
                     self.calibration.record(candidates, path, emitted)
         return result
 

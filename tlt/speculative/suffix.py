@@ -226,7 +226,11 @@ class Calibration:
         return {"table": [[c, o, r, a] for (c, o), (r, a) in sorted(self.table.items())]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.table = {(int(c), int(o)): [float(r), float(a)] for c, o, r, a in state["table"]}
+        table = {(int(c), int(o)): [float(r), float(a)] for c, o, r, a in state["table"]}
+        bad = next((key for key, (r, a) in table.items() if not 0 <= a <= r), None)
+        if bad is not None:  # an estimate above 1 would break the drafts' best-first order
+            raise ValueError(f"calibration key {bad}: accepted {table[bad][1]} is not within [0, reached {table[bad][0]}]")
+        self.table = table
 
 
 def max_depth_for(matched: int, cap: int) -> int:

@@ -15,7 +15,7 @@ One rollout on the pool:
   4. when the last share is in, the trainer is told to stop (it does within part of one optimizer
      step); its state is collected before the next rollout, whose workers all start from the newest drafter.
 Faults: a worker that dies mid-rollout (its actor is gone) is replaced by a fresh one, brought to the
-current policy, drafter and tuner state, and its share is generated again. A share's results are
+current policy, drafter and drafting state, and its share is generated again. A share's results are
 taken once, whole, from the worker that completed it, so no sample is lost or duplicated, and the
 re-run returns exactly what the dead worker would have (same seeds). A spot trainer that dies only
 loses its phase: the drafter stays at the last collected state.
