@@ -199,6 +199,31 @@ def test_a_floor_keeps_exactly_the_nodes_scoring_at_least_it(texts, depth, floor
     assert cut_scores == [scores[i] for i in kept] and cut[3] == whole[3]
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(streams, st.integers(1, 6), st.floats(0.01, 0.99), st.integers(0, 2**32 - 1))
+def test_a_calibrated_floor_keeps_exactly_the_nodes_scoring_at_least_it(texts, depth, floor, seed):
+    """The same with a calibration table of random rates: its estimates stay within [0, 1], so a child never
+    scores above its parent and the floored tree is the whole one cut at the floor."""
+    rnd = random.Random(seed)
+    cal = Calibration()
+    for count in range(1, 6):
+        for others in range(0, 6):
+            reached = rnd.randint(1, 50)
+            cal.table[(count, others)] = [float(reached), float(rnd.randint(0, reached))]
+    own = texts[0]
+    sam = SuffixAutomaton.of(texts)
+    last = state_of(sam, own) if own else 0
+    sources = [Source(sam, last, len(own), 0)]
+    scores, cut_scores = [], []
+    whole = draft_tree(sources, depth, 10_000, scores=scores, calibration=cal)
+    cut = draft_tree(sources, depth, 10_000, floor=floor, scores=cut_scores, calibration=cal)
+    assert all(0 <= s <= 1 + 1e-12 for s in scores)
+    assert all(scores[i] <= scores[p - 1] + 1e-12 for i, p in enumerate(whole[1]) if p)
+    assert scores == sorted(scores, reverse=True)
+    kept = [i for i, s in enumerate(scores) if s >= floor]
+    assert cut[0] == [whole[0][i] for i in kept] and cut[1] == [whole[1][i] for i in kept]
+
 def test_per_kind_counts_name_the_source():
     sam = SuffixAutomaton()
     p = sam.insert([1, 2], 0, 0, PROMPT)
