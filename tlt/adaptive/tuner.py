@@ -581,7 +581,7 @@ class Tuner:
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
         self._buckets = buckets
-        self.history_seen = bool(state.get("history_seen", False))  # absent before it was kept
+        self.history_seen = bool(state.get("history_seen", False))  # absent from older states: false
 
     @classmethod
     def from_state_dict(cls, state: dict, log: Callable[[str], None] | None = None) -> "Tuner":

@@ -41,6 +41,7 @@ from tlt.io import atomic_folder, atomic_write_bytes, atomic_write_json
 DRAFTING_FILE = "drafting.json"  # the rollout workers' drafting states
 LEGACY_TUNER_FILE = "tuner.json"  # what earlier versions saved instead: the tuners' states alone
 
+
 @dataclass
 class TrainerState:
     """The GRPO trainer's own state (trainer_state.pt): its step (the policy version), the data position,
@@ -146,9 +147,8 @@ def checkpoints_newest_first(run_dir: Path) -> list[Path]:
 class SavedCheckpoint:
     """A run checkpoint read into memory and checked: the trainer state, the policy's tensors, the
     workers' drafting states (and the file they came from) and the drafter trainer's state (None where the
-    run had none). The online
-    buffer, which may be large, is read when it is restored (OnlineBuffer.load checks it before it
-    replaces anything)."""
+    run had none). The online buffer, which may be large, is read when it is restored (OnlineBuffer.load
+    checks it before it replaces anything)."""
 
     folder: Path
     state: TrainerState

@@ -81,8 +81,8 @@ class RolloutEngine:
                 "calibration": calibration.state_dict() if calibration is not None else None}
 
     def load_drafting_state(self, state: dict | None) -> None:
-        """Restore `drafting_state()` output; a bare tuner state (what checkpoints held before the
-        calibration) restores the tuner alone."""
+        """Restore `drafting_state()` output; a bare tuner state (an entry of an older checkpoint's
+        tuner.json) restores the tuner alone."""
         if state is None:
             return
         if "buckets" in state:
@@ -90,13 +90,14 @@ class RolloutEngine:
         if not {"tuner", "calibration"} & set(state):
             raise ValueError(f"a drafting state holds 'tuner' and 'calibration', got keys {sorted(state)}")
         tuner, calibration = self.decoder.tuner, self.decoder.calibration
+        incoming = None
         if state.get("calibration") is not None and calibration is not None:
-            checked = type(calibration)()  # read whole before the tuner changes: a bad table leaves both as they were
-            checked.load_state_dict(state["calibration"])
+            incoming = type(calibration)()  # read whole before the tuner changes: a bad table leaves both as they were
+            incoming.load_state_dict(state["calibration"])
         if state.get("tuner") is not None and tuner is not None:
             tuner.load_state_dict(state["tuner"])
-        if state.get("calibration") is not None and calibration is not None:
-            calibration.table = checked.table
+        if incoming is not None:
+            calibration.table = incoming.table
 
     @property
     def drafter(self):

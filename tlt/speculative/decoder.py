@@ -278,9 +278,8 @@ class SpeculativeDecoder:
         result.drafted = int(draft.valid[:, 1:].sum())
         if names is not None:
             result.sources = credit_sources(names, result.visited, result.tokens)
-            sampled = (batch.temperature > 0).tolist()  # greedy rows (evaluations) take other paths than sampling
-            for candidates, path, emitted, learn in zip(weighed, result.visited, result.tokens, sampled):
-                if candidates is not None and learn:  # a sampled suffix row (not a hybrid's learned one)
+            for candidates, path, emitted in zip(weighed, result.visited, result.tokens):
+                if candidates is not None:
                     self.calibration.record(candidates, path, emitted)
         return result
 
@@ -297,7 +296,9 @@ class SpeculativeDecoder:
         depth = strategy.verify_tokens if hybrid else strategy.depth
         floor = strategy.prune / 100
         calibration = self.calibration if strategy.calibrated else None
-        weighed: list = [{} for _ in batch.seqs]  # per row, the continuations weighed after each node
+        # per sampled row, the continuations weighed after each node (what the calibration learns from);
+        # greedy rows (evaluations) take other paths than sampling and teach it nothing
+        weighed: list = [{} if t > 0 else None for t in batch.temperature.tolist()]
         trees = [s.state.index.tree(s.state.text, depth, strategy.verify_tokens, floor, calibration, w)
                  for s, w in zip(batch.seqs, weighed)]
         rows = [(tokens, parents) for tokens, parents, _, _ in trees]
@@ -311,7 +312,7 @@ class SpeculativeDecoder:
             for b in short:
                 rows[b] = (tokens[b][:kept[b]], parents[b][:kept[b]])
                 names[b] = ["drafter"] * kept[b]
-        for b in short:
+        for b in short:  # a hybrid's learned rows
             weighed[b] = None
         return list_draft(batch.last_tokens, rows), names, weighed
 
