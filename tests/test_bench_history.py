@@ -40,6 +40,12 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     assert "history" in result["suffix_sources_epoch_2_on"]
     calibration = result["calibration"]  # the run's engine learned from its suffix drafts' verifications
     assert calibration and all(0 <= row["rate"] <= 1 and row["accepted"] <= row["reached"] for row in calibration)
+    by_counts = {(r["count"], r["others"]): r["reached"] for r in calibration if "matched" not in r}
+    split = {}  # the rows by matched length split each (count, others) row's verifications
+    for r in calibration:
+        if "matched" in r:
+            split[r["count"], r["others"]] = split.get((r["count"], r["others"]), 0) + r["reached"]
+    assert split.keys() == by_counts.keys() and all(split[k] == pytest.approx(v, abs=0.2) for k, v in by_counts.items())
     drafted = result["drafted_per_row_step_epoch_2_on"]
     assert 0 < drafted["ngram-d4"] <= 4 and 0 < drafted["suffix-d4-v4"] <= 4 and 0 < drafted["suffix-d8-v16"] <= 16
     assert first["acceptance_command"].startswith("tlt bench history --measure acceptance --problems 4")
@@ -59,6 +65,12 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     per_epoch = speedup["choices_by_batch_size_with_by_epoch"]
     assert sorted(per_epoch) == ["1", "2"] and sum(n for e in per_epoch.values() for a in e.values() for n in a.values()) == \
         sum(n for a in speedup["choices_by_batch_size_with"].values() for n in a.values())
+    rates = speedup["arm_rates_by_bucket_by_epoch"]["with"]  # what each arm earned in each bucket it ran in
+    assert sorted(rates) == ["1", "2"]
+    assert sum(arm["steps"] for e in rates.values() for bucket in e.values() for arm in bucket.values()) == \
+        sum(n for a in speedup["choices_by_batch_size_with"].values() for n in a.values())
+    assert all(arm["tokens_per_s"] == pytest.approx(arm["tokens"] / arm["seconds"])
+               for e in rates.values() for bucket in e.values() for arm in bucket.values())
     rollout = speedup["rollout_s_by_step"]
     assert speedup["rollout_speedup_by_epoch"]["2"] == pytest.approx(sum(rollout["without"][2:]) / sum(rollout["with"][2:]))
     assert both["speedup_command"] == ("tlt bench history --measure speedup --problems 4 --epochs 2 "

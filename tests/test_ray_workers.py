@@ -190,7 +190,7 @@ def test_grpo_on_two_ray_workers_runs_and_resumes(model_dir, tmp_path):
     assert all(len(r["workers"]["shares"]) == 2 for r in rows)
     assert trainer.step == 2
     drafting = json.loads((run / "checkpoints" / "step_00000002" / "drafting.json").read_text())
-    assert len(drafting["workers"]) == 2 and all(w["tuner"] and w["calibration"] == {"table": []} for w in drafting["workers"])  # no suffix arm: nothing learned
+    assert len(drafting["workers"]) == 2 and all(w["tuner"] and w["calibration"] == {"table": [], "by_match": []} for w in drafting["workers"])  # no suffix arm: nothing learned
 
 
 def test_a_killed_run_leaves_no_ray_process_behind():

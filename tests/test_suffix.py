@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tlt.speculative.suffix import (CALIBRATION_HALVE, HISTORY, PRIOR_WEIGHT, PROMPT, SAMPLES, Calibration, Source,
-                                   SuffixAutomaton, SuffixIndex, draft_tree)
+                                   SuffixAutomaton, SuffixIndex, draft_tree, match_bucket)
 
 streams = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=4)
 
@@ -141,24 +141,39 @@ def test_a_floor_keeps_the_nodes_the_sources_agree_on():
 
 def test_calibration_starts_at_the_frequency_and_learns_from_every_weighed_continuation():
     cal = Calibration()
-    assert cal.probability(1, 1) == 1.0 and cal.probability(1, 4) == 0.25  # nothing verified yet
-    assert Calibration.key(3, 4) == (3, 1) and Calibration.key(40, 50) == (16, 10)  # (count, others), capped
-    # after the root the drafter weighed 7 (key (1, 0)); after node 1 (rejected), 8: the target drew 9 at the root
+    assert cal.probability(1, 1, 5) == 1.0 and cal.probability(1, 4, 5) == 0.25  # nothing verified yet
+    # (count, others, matched length bucket), capped
+    assert Calibration.key(3, 4, 1) == (3, 1, 0) and Calibration.key(40, 50, 7) == (16, 10, 2)
+    assert [match_bucket(m) for m in (1, 2, 3, 4, 63, 64, 10_000)] == [0, 1, 1, 2, 5, 6, 6]
+    # after the root the drafter weighed 7 (key (1, 0, 2)); after node 1 (rejected), 8: the target drew 9 at the root
     for _ in range(12):
-        cal.record({0: {7: (1, 0)}, 1: {8: (1, 0)}}, [0], [9])
-    assert cal.table == {(1, 0): [12.0, 0.0]}  # what follows a rejected node tells nothing
-    assert cal.probability(1, 1) == pytest.approx(PRIOR_WEIGHT / (12 + PRIOR_WEIGHT))
+        cal.record({0: {7: (1, 0, 2)}, 1: {8: (1, 0, 2)}}, [0], [9])
+    assert cal.table == {(1, 0): [12.0, 0.0]} and cal.by_match == {(1, 0, 2): [12.0, 0.0]}  # nothing after a rejection
+    counts_only = PRIOR_WEIGHT / (12 + PRIOR_WEIGHT)
+    assert cal.probability(1, 1, 4) == pytest.approx(PRIOR_WEIGHT * counts_only / (12 + PRIOR_WEIGHT))
+    assert cal.probability(1, 1, 64) == pytest.approx(counts_only)  # a matched length never verified: its counts' rate
+    assert cal.view(False).probability(1, 1, 4) == pytest.approx(counts_only)  # "-c1": the matched length left out
     # 5 (3 of 4 times) was drafted and taken; 6 (1 of 4) was weighed and not drafted: both are learned
     for _ in range(12):
-        cal.record({0: {5: (3, 1), 6: (1, 3)}}, [0, 1], [5, 2])
-    assert cal.probability(3, 4) == pytest.approx((12 + PRIOR_WEIGHT * 0.75) / (12 + PRIOR_WEIGHT))
-    assert cal.probability(1, 4) == pytest.approx(PRIOR_WEIGHT * 0.25 / (12 + PRIOR_WEIGHT))
+        cal.record({0: {5: (3, 1, 0), 6: (1, 3, 0)}}, [0, 1], [5, 2])
+    assert cal.view(False).probability(3, 4, 1) == pytest.approx((12 + PRIOR_WEIGHT * 0.75) / (12 + PRIOR_WEIGHT))
+    assert cal.view(False).probability(1, 4, 1) == pytest.approx(PRIOR_WEIGHT * 0.25 / (12 + PRIOR_WEIGHT))
+    # after a long match, 1 of 2 was taken every time: that key's rate, not its counts' (1 of 2 after short matches)
+    for _ in range(40):
+        cal.record({0: {3: (1, 1, 6), 4: (1, 1, 6)}}, [0], [3])
+        cal.record({0: {3: (1, 1, 1), 4: (1, 1, 1)}}, [0], [5])
+    assert cal.probability(1, 2, 100) > 0.45 > cal.probability(1, 2, 2)
     other = Calibration()
     other.load_state_dict(cal.state_dict())
-    assert other.table == cal.table
+    assert other.table == cal.table and other.by_match == cal.by_match
+    older = Calibration()  # a state written before the matched length was kept
+    older.load_state_dict({"table": cal.state_dict()["table"]})
+    assert older.table == cal.table and older.by_match == {}
+    with pytest.raises(ValueError, match=r"calibration key \(1, 1, 6\)"):
+        older.load_state_dict({"table": [], "by_match": [[1, 1, 6, 2.0, 3.0]]})
     for _ in range(CALIBRATION_HALVE):  # a key halves its counts as it fills: it follows a changing policy
-        cal.record({0: {4: (2, 2)}}, [0], [4])
-    assert cal.table[(2, 2)] == [CALIBRATION_HALVE / 2] * 2
+        cal.record({0: {4: (2, 2, 3)}}, [0], [4])
+    assert cal.table[(2, 2)] == [CALIBRATION_HALVE / 2] * 2 == cal.by_match[(2, 2, 3)]
 
 
 def test_a_calibrated_tree_ranks_and_floors_by_the_measured_acceptance():
@@ -171,7 +186,8 @@ def test_a_calibrated_tree_ranks_and_floors_by_the_measured_acceptance():
     index.add(text, len(prompt))
     weighed = {}
     assert index.tree(text, 4, 8, candidates=weighed)[:2] == ([4, 3], [0, 0])
-    assert weighed[0] == {4: (2, 1), 3: (1, 2)}  # the root's continuations; its children's have none to weigh
+    # the root's continuations (after a match of the 3 tokens [5, 1, 2]); its children's have none to weigh
+    assert weighed[0] == {4: (2, 1, 1), 3: (1, 2, 1)}
     cal = Calibration()
     for _ in range(40):
         cal.record(weighed, [0, 2], [3, 9])
@@ -211,6 +227,9 @@ def test_a_calibrated_floor_keeps_exactly_the_nodes_scoring_at_least_it(texts, d
         for others in range(0, 6):
             reached = rnd.randint(1, 50)
             cal.table[(count, others)] = [float(reached), float(rnd.randint(0, reached))]
+            for bucket in range(3):
+                reached = rnd.randint(1, 50)
+                cal.by_match[(count, others, bucket)] = [float(reached), float(rnd.randint(0, reached))]
     own = texts[0]
     sam = SuffixAutomaton.of(texts)
     last = state_of(sam, own) if own else 0

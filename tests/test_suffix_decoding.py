@@ -15,7 +15,8 @@ from tlt.speculative.history import HistoryDrafts
 from test_speculative import (VOCAB, chi_square_pvalue, engine, exact_three_token_distribution, random_target,
                               tokens_of)
 
-STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8", "suffix-d8-v16-p30", "hybrid-d3-k2-v8-p20", "suffix-d8-v16-p30-c0"]
+STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8", "suffix-d8-v16-p30", "hybrid-d3-k2-v8-p20", "suffix-d8-v16-p30-c1",
+              "suffix-d8-v16-p30-c0"]
 
 
 def least_likely_continuations(target, prompt, length, count):
@@ -136,10 +137,11 @@ def test_sampling_with_an_adversarial_history_is_exact():
 
 
 def test_strategy_names_of_the_new_arms():
-    for name in ("suffix-d16-v32", "hybrid-d4-k2-v16", "suffix-d16-v32-p20", "hybrid-d4-k2-v16-p10", "suffix-d16-v32-p20-c0"):
+    for name in ("suffix-d16-v32", "hybrid-d4-k2-v16", "suffix-d16-v32-p20", "hybrid-d4-k2-v16-p10", "suffix-d16-v32-p20-c1",
+                 "suffix-d16-v32-p20-c0"):
         assert Strategy.parse(name).name == name and Strategy.parse(name).target_only
-    assert Strategy.parse("suffix-d16-v32-c0").calibrated == 0 and Strategy.parse("suffix-d16-v32").calibrated == 1
-    for refused in ("tree-d4-k2-v8-c0", "suffix-d16-v32-c2"):
+    assert [Strategy.parse(f"suffix-d16-v32{c}").calibrated for c in ("-c0", "-c1", "")] == [0, 1, 2]
+    for refused in ("tree-d4-k2-v8-c0", "tree-d4-k2-v8-c1", "suffix-d16-v32-c3"):
         with pytest.raises(tlt.ConfigError, match="calibrated"):
             Strategy.parse(refused)
     assert Strategy.parse("hybrid-d4-k2-v16-p10").learned_tree.name == "tree-d4-k2-v16-p10"
@@ -166,12 +168,12 @@ def test_the_calibration_learns_during_a_rollout_and_travels_with_the_drafting_s
     assert state["tuner"] is None and state["calibration"]["table"]
     second = engine(target, "suffix-d8-v16-p30")
     second.load_drafting_state(state)
-    assert second.decoder.calibration.table == table
+    assert second.decoder.calibration.table == table and second.decoder.calibration.by_match == first.decoder.calibration.by_match
     first.reset_stats()
     again = [first.generate(prompts, params, history=history), second.generate(prompts, params, history=history)]
     assert tokens_of(again[0]) == tokens_of(again[1])
     assert first.stats()["step_drafted"] == second.stats()["step_drafted"]  # the same drafts, step by step
-    assert first.decoder.calibration.table == second.decoder.calibration.table
+    assert first.decoder.calibration.state_dict() == second.decoder.calibration.state_dict()
     assert tlt.RolloutEngine(target).drafting_state() is None
 
 

@@ -125,6 +125,25 @@ def summed_choices(rows: list[dict]) -> dict[str, dict[str, int]]:
     return dict(sorted(choices.items(), key=lambda kv: int(kv[0])))
 
 
+def arm_rates(rows: list[dict], tuner) -> dict[str, dict[str, dict]]:
+    """Per tuner bucket (its label) and arm: decode steps, seconds, tokens and tokens a second, summed over the
+    metric rows' `strategy_by_batch`, `time_decode_by_batch_s` and `tokens_by_batch`: what each arm earned where
+    the tuner ran it."""
+    by_bucket: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        for size, by_arm in r["strategy_by_batch"].items():
+            bucket = by_bucket.setdefault(tuner.bucket_of(int(size)), {})
+            for arm, steps in by_arm.items():
+                slot = bucket.setdefault(arm, {"steps": 0, "seconds": 0.0, "tokens": 0})
+                slot["steps"] += steps
+                slot["seconds"] += r["time_decode_by_batch_s"][size][arm]
+                slot["tokens"] += r["tokens_by_batch"][size][arm]
+    for by_arm in by_bucket.values():
+        for slot in by_arm.values():
+            slot["tokens_per_s"] = slot["tokens"] / slot["seconds"] if slot["seconds"] else None
+    return {tuner.label(i): by_bucket[i] for i in sorted(by_bucket)}
+
+
 def choice_steps(choices: list[dict[str, dict[str, int]]]) -> tuple[list[int], list[str]]:
     """The (batch size, arm) of every step that the `choices` tables (batch size -> arm -> steps) count, as the
     choice plot takes them."""
@@ -248,11 +267,15 @@ def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
 
 
 def calibration_rows(calibration) -> list[dict]:
-    """A suffix.Calibration's table as rows: how often verification accepted a draft node whose parent it
-    accepted, per (count of the node's token after its context, count of the other tokens), both capped
-    (after the table's halvings: the recent share of what it saw)."""
-    return [{"count": c, "others": o, "reached": round(r, 1), "accepted": round(a, 1), "rate": a / r}
+    """A suffix.Calibration's tables as rows: how often verification accepted a draft node whose parent it
+    accepted, per (count of the node's token after its context, count of the other tokens), both capped,
+    then split by the matched context's length (`matched`: the bucket's least length, a power of two), after
+    the tables' halvings (the recent share of what it saw)."""
+    rows = [{"count": c, "others": o, "reached": round(r, 1), "accepted": round(a, 1), "rate": a / r}
             for (c, o), (r, a) in sorted(calibration.table.items()) if r]
+    rows += [{"count": c, "others": o, "matched": 2 ** m, "reached": round(r, 1), "accepted": round(a, 1),
+              "rate": a / r} for (c, o, m), (r, a) in sorted(calibration.by_match.items()) if r]
+    return rows
 
 
 def acceptance(base, suffix: str, paired: list[str], log=print) -> dict:
@@ -342,6 +365,7 @@ def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
 
 def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step."""
+    from tlt.adaptive.tuner import Tuner
     from tlt.bench.e2e import STAGES
     from tlt.errors import ConfigError
     from tlt.rl.side_by_side import matching_steps
@@ -388,6 +412,8 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
         "choices_by_batch_size_with_by_epoch": {e: summed_choices([rows["with"][i] for i in steps])
                                                 for e, steps in by_epoch.items()},
         "draft_sources_with": [r.get("draft_sources") for r in rows["with"]],
+        "arm_rates_by_bucket_by_epoch": {name: {e: arm_rates([rows[name][i] for i in steps], Tuner(base.tuner))
+                                                for e, steps in by_epoch.items()} for name in rows},
         "wall_s": time.perf_counter() - start,
     }
     log(f"rollout speed-up with the suffix arms: {result['rollout_speedup']:.2f}x (whole step "

@@ -424,10 +424,13 @@ class GRPOTrainer:
         stride = max(1, math.ceil(len(batch_sizes) / 64))
         counts: dict[str, int] = {}
         by_batch: dict[str, dict[str, int]] = {}
-        for size, s in zip(batch_sizes, stats.strategies):
+        seconds_by_batch: dict[str, dict[str, float]] = {}  # batch size -> strategy -> decode seconds
+        tokens_by_batch: dict[str, dict[str, int]] = {}  # batch size -> strategy -> tokens emitted
+        for size, s, seconds, emitted in zip(batch_sizes, stats.strategies, stats.step_times, stats.step_tokens):
             counts[s] = counts.get(s, 0) + 1
-            by_batch.setdefault(str(size), {}).setdefault(s, 0)
-            by_batch[str(size)][s] += 1
+            for table, value in ((by_batch, 1), (seconds_by_batch, seconds), (tokens_by_batch, emitted)):
+                slot = table.setdefault(str(size), {})
+                slot[s] = slot.get(s, 0) + value
         return {
             "step": self.step,
             "reward": float(rewards.mean()),
@@ -442,6 +445,8 @@ class GRPOTrainer:
             "acceptance_length": stats.acceptance_length(),
             "strategies": counts,
             "strategy_by_batch": by_batch,
+            "tokens_by_batch": tokens_by_batch,
+            "time_decode_by_batch_s": seconds_by_batch,
             "response_lengths": lengths.tolist(),
             "live_batch": batch_sizes[::stride],
             "rollout_steps": len(batch_sizes),

@@ -97,7 +97,7 @@ class RolloutEngine:
         if state.get("tuner") is not None and tuner is not None:
             tuner.load_state_dict(state["tuner"])
         if incoming is not None:
-            calibration.table = incoming.table
+            calibration.load_state_dict(state["calibration"])  # read whole above: it cannot fail now
 
     @property
     def drafter(self):

@@ -295,7 +295,7 @@ class SpeculativeDecoder:
         hybrid = strategy.kind == "hybrid"
         depth = strategy.verify_tokens if hybrid else strategy.depth
         floor = strategy.prune / 100
-        calibration = self.calibration if strategy.calibrated else None
+        calibration = self.calibration.view(strategy.calibrated == 2) if strategy.calibrated else None
         # per sampled row, the continuations weighed after each node (what the calibration learns from);
         # greedy rows (evaluations) take other paths than sampling and teach it nothing
         weighed: list = [{} if t > 0 else None for t in batch.temperature.tolist()]

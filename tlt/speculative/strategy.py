@@ -15,8 +15,9 @@ the nodes whose path the sources' counts give at least P%, so a row's draft grow
 agreement; verified target-only), "hybrid" (per row, the suffix tree where it is deeper than
 `depth`, else the learned drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in
 one verification, `prune` applying to both; target-only). Suffix nodes are ranked and pruned by their
-calibrated acceptance (suffix.Calibration, learned from the decoder's verifications); `calibrated=0`
-(name suffix "-c0") ranks them by the sources' raw frequencies instead.
+calibrated acceptance (suffix.Calibration, learned from the decoder's verifications) per count of the
+continuation, count of the others and length of the matched context; `calibrated=1` (name suffix "-c1")
+leaves the matched length out, `calibrated=0` ("-c0") ranks them by the sources' raw frequencies.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class Strategy:
     topk: int = 4
     verify_tokens: int = 24
     prune: int = 0  # the least path probability (the drafter's, or the suffix sources'), in percent, a verified node needs
-    calibrated: int = 1  # suffix nodes by their calibrated acceptance (1) or the sources' raw frequencies (0)
+    # suffix nodes by their calibrated acceptance per (count, others, matched length) (2), per (count, others)
+    # (1), or by the sources' raw frequencies (0)
+    calibrated: int = 2
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -48,9 +51,9 @@ class Strategy:
         if self.prune and (self.kind not in ("tree", "suffix", "hybrid") or not 0 < self.prune < 100):
             raise ConfigError(f"Strategy field 'prune' is a percent from 1 to 99 for a tree, suffix or hybrid draft, "
                               f"got {self.prune} for {self.kind!r}")
-        if self.calibrated not in (0, 1) or (not self.calibrated and self.kind not in ("suffix", "hybrid")):
-            raise ConfigError(f"Strategy field 'calibrated' is 1, or 0 for a suffix or hybrid draft (raw frequencies), "
-                              f"got {self.calibrated} for {self.kind!r}")
+        if self.calibrated not in (0, 1, 2) or (self.calibrated != 2 and self.kind not in ("suffix", "hybrid")):
+            raise ConfigError(f"Strategy field 'calibrated' is 2, or for a suffix or hybrid draft 1 (calibrated without "
+                              f"the matched length) or 0 (raw frequencies), got {self.calibrated} for {self.kind!r}")
         for name in ("depth", "topk", "verify_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"Strategy field {name!r} must be >= 1, got {getattr(self, name)}")
@@ -102,7 +105,7 @@ class Strategy:
     def name(self) -> str:
         if self.kind == "off":
             return "off"
-        pruned = (f"-p{self.prune}" if self.prune else "") + ("" if self.calibrated else "-c0")
+        pruned = (f"-p{self.prune}" if self.prune else "") + ("" if self.calibrated == 2 else f"-c{self.calibrated}")
         if self.kind in ("tree", "hybrid"):
             return f"{self.kind}-d{self.depth}-k{self.topk}-v{self.verify_tokens}{pruned}"
         if self.kind == "suffix":
@@ -119,7 +122,7 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "tree-d4-k2-v8-p20",
-        "suffix-d16-v32", "suffix-d16-v32-p20", "suffix-d16-v32-p20-c0", "hybrid-d4-k2-v16"."""
+        "suffix-d16-v32", "suffix-d16-v32-p20", "suffix-d16-v32-p20-c1", "suffix-d16-v32-p20-c0", "hybrid-d4-k2-v16"."""
         parts = text.split("-")
         fields = {"d": "depth", "k": "topk", "v": "verify_tokens", "p": "prune", "c": "calibrated"}
         kwargs = {}

@@ -33,10 +33,10 @@ suffix links (a shorter context) and drops out below `min_match` tokens.
 A raw frequency is a poor probability. On the bench policy (docs/results/README.md, "Calibrated suffix
 drafts"), of the continuations the target could take (their parent accepted), one seen once with no other
 after its context was taken 78% of the time, seen three times with no other 95%, seen once against one other
-20% (its frequency says 50%), once against eight others 5%. `Calibration` learns the rate per (count of the
-continuation, count of the others) from the run's own verifications, and the drafter ranks and floors by
-it: a pruned draft then keeps the paths the target is likely to take, which made the 50% floor 1.38x plain
-decoding there against 1.20x for the best floor on raw frequencies.
+20% (its frequency says 50%), once against eight others 5%; and the same single continuation was taken 47%
+of the time after a 2-3-token match, 96% after 64 tokens or more. `Calibration` learns the rate per (count of
+the continuation, count of the others, matched length) from the run's own verifications, and the drafter
+ranks and floors by it: a pruned draft then keeps the paths the target is likely to take.
 """
 
 from __future__ import annotations
@@ -176,17 +176,30 @@ def source_name(src: Source, state: int) -> str:
 
 
 CALIBRATION_CAP = 16  # counts a calibration key tells apart (min(count, CAP)), per side
-PRIOR_WEIGHT = 4.0  # verifications the raw frequency weighs as, in a key's estimate
+MATCH_BUCKETS = 7  # matched lengths a calibration key tells apart: 1, 2-3, 4-7, ..., 32-63, 64 and more
+PRIOR_WEIGHT = 4.0  # verifications a key's prior weighs as, in its estimate
 CALIBRATION_HALVE = 4096  # a key's counts halve once it has seen this many parents accepted (tracks the policy)
 
 
+def match_bucket(matched: int) -> int:
+    """The calibration's bucket of a matched context length: floor(log2(matched)), capped."""
+    return min(MATCH_BUCKETS - 1, max(matched, 1).bit_length() - 1)
+
+
 class Calibration:
-    """Acceptance of a suffix draft node given that its parent was accepted, per key (count of its token
-    after the context, count of every other token after it), both capped at CALIBRATION_CAP. A key's
-    estimate is (accepted + w f) / (reached + w) for the raw frequency f = count / (count + others) and
-    w = PRIOR_WEIGHT: the frequency before any verification, the measured rate after many. Counts halve
-    once a key has CALIBRATION_HALVE, so the table follows a policy that RL changes. It decides drafts
-    only: verification is target-only, so the samples do not depend on it.
+    """Acceptance of a suffix draft node given that its parent was accepted, per key: the count of its token
+    after the context, the count of every other token after it (both capped at CALIBRATION_CAP) and the
+    length of the longest matched context, in power-of-two buckets. The estimate is shrunk twice, each time
+    with weight w = PRIOR_WEIGHT: per (count, others), (accepted + w f) / (reached + w) for the raw
+    frequency f = count / (count + others); per (count, others, matched), the same with that estimate in
+    place of f. So a key starts at the frequency and ends at its measured rate, and a rarely seen matched
+    length borrows its counts' rate. Counts halve once a key has CALIBRATION_HALVE, so the table follows a
+    policy that RL changes. It decides drafts only: verification is target-only, so the samples do not
+    depend on it.
+
+    The matched length matters as much as the counts: on the bench policy, a continuation seen once with
+    no other after its context was taken 47% of the times its parent was after a 2-3-token match, 82% after
+    8-15 tokens and 96% after 64 or more (docs/results/README.md, "Calibrated suffix drafts").
 
     It learns from every continuation the drafter weighed, drafted or not: at each node of the accepted
     path the target drew one token, so each candidate child of that node (kept or cut by the budget or the
@@ -194,43 +207,71 @@ class Calibration:
     freeze a key whose estimate once fell under an arm's floor (never drafted again, never measured again)."""
 
     def __init__(self) -> None:
-        self.table: dict[tuple[int, int], list[float]] = {}  # key -> [parents accepted, node accepted]
+        self.table: dict[tuple[int, int], list[float]] = {}  # (count, others) -> [parents accepted, node accepted]
+        self.by_match: dict[tuple[int, int, int], list[float]] = {}  # (count, others, match bucket) -> the same
 
     @staticmethod
-    def key(count: int, mass: int) -> tuple[int, int]:
-        return min(count, CALIBRATION_CAP), min(mass - count, CALIBRATION_CAP)
+    def key(count: int, mass: int, matched: int) -> tuple[int, int, int]:
+        return min(count, CALIBRATION_CAP), min(mass - count, CALIBRATION_CAP), match_bucket(matched)
 
-    def probability(self, count: int, mass: int) -> float:
-        """The estimated acceptance of a continuation seen `count` times of `mass`."""
+    def probability(self, count: int, mass: int, matched: int) -> float:
+        """The estimated acceptance of a continuation seen `count` times of `mass` after a context of
+        `matched` tokens."""
+        c, o, m = self.key(count, mass, matched)
+        estimate = self._counts_estimate(count, mass, c, o)
+        seen = self.by_match.get((c, o, m))
+        return estimate if seen is None else (seen[1] + PRIOR_WEIGHT * estimate) / (seen[0] + PRIOR_WEIGHT)
+
+    def _counts_estimate(self, count: int, mass: int, c: int, o: int) -> float:
         frequency = count / mass
-        seen = self.table.get(self.key(count, mass))
-        if seen is None:
-            return frequency
-        return (seen[1] + PRIOR_WEIGHT * frequency) / (seen[0] + PRIOR_WEIGHT)
+        seen = self.table.get((c, o))
+        return frequency if seen is None else (seen[1] + PRIOR_WEIGHT * frequency) / (seen[0] + PRIOR_WEIGHT)
 
-    def record(self, candidates: dict[int, dict[int, tuple[int, int]]], path: list[int], emitted: list[int]) -> None:
+    def view(self, by_match: bool) -> "Calibration | _CountsOnly":
+        """What a draft ranks by: these estimates, or with by_match False the (count, others) ones alone."""
+        return self if by_match else _CountsOnly(self)
+
+    def record(self, candidates: dict[int, dict[int, tuple[int, int, int]]], path: list[int], emitted: list[int]) -> None:
         """Learn from one verified draft: candidates[n] maps each token the drafter weighed after node n (0:
         the root) to its key; `path` is the accepted path (root first) and emitted[j] the token the target
         drew at path[j]. Candidates after a rejected node tell nothing."""
-        table = self.table
         for node, drawn in zip(path, emitted):
             for token, key in candidates.get(node, {}).items():
-                seen = table.setdefault(key, [0.0, 0.0])
-                seen[0] += 1
-                seen[1] += token == drawn
-                if seen[0] >= CALIBRATION_HALVE:
-                    seen[0] /= 2
-                    seen[1] /= 2
+                taken = token == drawn
+                for table, k in ((self.table, key[:2]), (self.by_match, key)):
+                    seen = table.setdefault(k, [0.0, 0.0])
+                    seen[0] += 1
+                    seen[1] += taken
+                    if seen[0] >= CALIBRATION_HALVE:
+                        seen[0] /= 2
+                        seen[1] /= 2
 
     def state_dict(self) -> dict:
-        return {"table": [[c, o, r, a] for (c, o), (r, a) in sorted(self.table.items())]}
+        return {"table": [[c, o, r, a] for (c, o), (r, a) in sorted(self.table.items())],
+                "by_match": [[c, o, m, r, a] for (c, o, m), (r, a) in sorted(self.by_match.items())]}
 
     def load_state_dict(self, state: dict) -> None:
+        """A state of `state_dict`; one written before the matched length was kept (no "by_match") loads with
+        none: those keys start at their counts' estimate."""
         table = {(int(c), int(o)): [float(r), float(a)] for c, o, r, a in state["table"]}
-        bad = next((key for key, (r, a) in table.items() if not 0 <= a <= r), None)
-        if bad is not None:  # an estimate above 1 would break the drafts' best-first order
-            raise ValueError(f"calibration key {bad}: accepted {table[bad][1]} is not within [0, reached {table[bad][0]}]")
-        self.table = table
+        by_match = {(int(c), int(o), int(m)): [float(r), float(a)] for c, o, m, r, a in state.get("by_match", [])}
+        for entries in (table, by_match):
+            bad = next((key for key, (r, a) in entries.items() if not 0 <= a <= r), None)
+            if bad is not None:  # an estimate above 1 would break the drafts' best-first order
+                raise ValueError(f"calibration key {bad}: accepted {entries[bad][1]} is not within "
+                                 f"[0, reached {entries[bad][0]}]")
+        self.table, self.by_match = table, by_match
+
+
+class _CountsOnly:
+    """A Calibration's estimates per (count, others), the matched length left out (strategy "-c1")."""
+
+    def __init__(self, calibration: Calibration) -> None:
+        self.calibration = calibration
+
+    def probability(self, count: int, mass: int, matched: int) -> float:
+        c, o, _ = Calibration.key(count, mass, matched)
+        return self.calibration._counts_estimate(count, mass, c, o)
 
 
 def max_depth_for(matched: int, cap: int) -> int:
@@ -283,12 +324,13 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
                 if w > entry[1][0]:
                     entry[1] = (w, src, child)
         weighed = candidates.setdefault(node, {}) if candidates is not None else None
+        context = max(m for _, _, m in views)  # the longest matched context the continuations follow
         for tok, (p, (_, src, child), count) in merged.items():
             order += 1
             if weighed is not None:
-                weighed[tok] = Calibration.key(count, total_mass)
+                weighed[tok] = Calibration.key(count, total_mass, context)
             if calibration is not None:
-                p = calibration.probability(count, total_mass)
+                p = calibration.probability(count, total_mass, context)
             heapq.heappush(heap, (-score * p, order, node, depth + 1, tok, source_name(src, child)))
 
     views_of = {0: [(src, state, matched) for src, state, matched in start]}
