@@ -63,6 +63,12 @@ def test_report_draws_every_figure_and_links_them(runs, capsys):
         assert (out / name).stat().st_size > 10_000
         assert f"]({name})" in text
     assert "ngram-d4" in text and "Mean acceptance length" in text
+    table = text[text.index("Decode tokens a second by live rows"):].split("\n\n")[1].splitlines()
+    assert table[0].startswith("| live rows | ngram-d4")
+    bins = [line.split("|")[1].strip() for line in table[2:]]  # powers of two: "1", "2-3", "4-7", ...
+    assert bins and all(b == "1" or int(b.split("-")[1]) == 2 * int(b.split("-")[0]) - 1 for b in bins)
+    rates = [float(cell) for line in table[2:] for cell in line.strip("|").split("|")[1:] if cell.strip() != "-"]
+    assert rates and all(r > 0 for r in rates)
     assert "| eval_accuracy |" in text and "| rollout |" in text and "Over all 32 responses" in text
     assert "wrote" in capsys.readouterr().out
 

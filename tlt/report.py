@@ -297,6 +297,36 @@ def _strategy_mix(run: Run) -> str:
     return ", ".join(f"{name} {100 * n / steps:.1f}%" for name, n in shares) + f" of {steps} decode steps."
 
 
+def _rate_lines(run: Run) -> list[str]:
+    """Decode tokens a second per strategy and live batch size bin [2^k, 2^(k+1)) (the strategy figure's), over
+    the steps the run gave each: what each arm earned where it ran. Empty for runs whose metrics hold no
+    per-batch decode times."""
+    seconds: dict[tuple[int, str], float] = {}
+    tokens: dict[tuple[int, str], int] = {}
+    for row in run.train:
+        times, emitted = row.get("time_decode_by_batch_s"), row.get("tokens_by_batch")
+        if not times or not emitted:
+            continue
+        for size, by_arm in times.items():
+            low = 1 << (int(size).bit_length() - 1)
+            for arm, t in by_arm.items():
+                seconds[low, arm] = seconds.get((low, arm), 0.0) + t
+                tokens[low, arm] = tokens.get((low, arm), 0) + emitted[size][arm]
+    if not seconds:
+        return []
+    spent: dict[str, float] = {}
+    for (_, arm), t in seconds.items():
+        spent[arm] = spent.get(arm, 0.0) + t
+    arms = sorted(spent, key=lambda a: -spent[a])
+    lines = ["Decode tokens a second by live rows, per strategy where the run used it:", "",
+             "| live rows | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
+    for low in sorted({low for low, _ in seconds}):
+        cells = [f"{tokens[low, a] / seconds[low, a]:.0f}" if seconds.get((low, a)) else "-" for a in arms]
+        label = str(low) if low == 1 else f"{low}-{2 * low - 1}"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def summary(run: Run, figures: dict[str, str], skipped: dict[str, str], compare: Run | None = None) -> str:
     """report.md: `figures` maps a caption to a PNG file name, `skipped` a caption to why it is missing."""
     c = run.config
@@ -319,7 +349,7 @@ def summary(run: Run, figures: dict[str, str], skipped: dict[str, str], compare:
                      f"(first {accept[0]:.2f}, last {accept[-1]:.2f}).")
     else:
         lines.append(f"The run did not speculate (speculative={c.get('speculative', '?')}): no acceptance length.")
-    lines += ["", "Strategy mix: " + _strategy_mix(run), ""]
+    lines += ["", "Strategy mix: " + _strategy_mix(run), "", *_rate_lines(run)]
     if compare is not None:
         lines += ["## Comparison", "", f"`{run.label}` (`{run.dir}`) against `{compare.label}` (`{compare.dir}`).", "",
                   "| | " + " | ".join(r.label for r in (run, compare)) + " |", "|---|---|---|"]

@@ -16,7 +16,8 @@ run over `--problems` built-in problems (or the config's dataset) for `--epochs`
   --measure speedup: two adaptive runs alternating step by step, the tuner's arms without and with the
     suffix arms (`--arms`); both draw the same samples (target-only arms; `matching_steps` counts the
     steps whose responses agree); `speedup_with_suffix_arms` is total rollout time without over with,
-    with the whole-step ratio and the per-bucket arm choices of the run with the new arms.
+    with the whole-step ratio, the per-bucket arm choices of the run with the new arms, and per epoch, tuner
+    bucket and arm, the tokens a second each run's arms earned where the tuner ran them.
 
   --measure buckets: the acceptance run's paired engines, plain decoding among them, timed: tokens a
     second of each system per live-batch bucket (the tuner's buckets) from epoch 2 on, the best system
@@ -128,7 +129,7 @@ def summed_choices(rows: list[dict]) -> dict[str, dict[str, int]]:
 def arm_rates(rows: list[dict], tuner) -> dict[str, dict[str, dict]]:
     """Per tuner bucket (its label) and arm: decode steps, seconds, tokens and tokens a second, summed over the
     metric rows' `strategy_by_batch`, `time_decode_by_batch_s` and `tokens_by_batch`: what each arm earned where
-    the tuner ran it."""
+    the tuner ran it (a step's seconds include the prefill of rows admitted before it, as the engine times it)."""
     by_bucket: dict[int, dict[str, dict]] = {}
     for r in rows:
         for size, by_arm in r["strategy_by_batch"].items():

@@ -33,8 +33,8 @@ suffix links (a shorter context) and drops out below `min_match` tokens.
 A raw frequency is a poor probability. On the bench policy (docs/results/README.md, "Calibrated suffix
 drafts"), of the continuations the target could take (their parent accepted), one seen once with no other
 after its context was taken 78% of the time, seen three times with no other 95%, seen once against one other
-20% (its frequency says 50%), once against eight others 5%; and the same single continuation was taken 47%
-of the time after a 2-3-token match, 96% after 64 tokens or more. `Calibration` learns the rate per (count of
+20% (its frequency says 50%), once against eight others 5%; and the same single continuation was taken 46%
+of the time after a 2-3-token match, 97% after 64 tokens or more. `Calibration` learns the rate per (count of
 the continuation, count of the others, matched length) from the run's own verifications, and the drafter
 ranks and floors by it: a pruned draft then keeps the paths the target is likely to take.
 """
@@ -198,8 +198,8 @@ class Calibration:
     depend on it.
 
     The matched length matters as much as the counts: on the bench policy, a continuation seen once with
-    no other after its context was taken 47% of the times its parent was after a 2-3-token match, 82% after
-    8-15 tokens and 96% after 64 or more (docs/results/README.md, "Calibrated suffix drafts").
+    no other after its context was taken 46% of the times its parent was after a 2-3-token match, 82% after
+    8-15 tokens and 97% after 64 or more (docs/results/README.md, "The matched length in the calibration").
 
     It learns from every continuation the drafter weighed, drafted or not: at each node of the accepted
     path the target drew one token, so each candidate child of that node (kept or cut by the budget or the
