@@ -41,7 +41,7 @@ def test_both_measurements_merge_into_one_json(tmp_path):
     calibration = result["calibration"]  # the run's engine learned from its suffix drafts' verifications
     assert calibration and all(0 <= row["rate"] <= 1 and row["accepted"] <= row["reached"] for row in calibration)
     by_counts = {(r["count"], r["others"]): r["reached"] for r in calibration if "matched" not in r}
-    split = {}  # the rows by matched length split each (count, others) row's verifications
+    split = {}  # before any halving, the rows by matched length split each (count, others) row's verifications
     for r in calibration:
         if "matched" in r:
             split[r["count"], r["others"]] = split.get((r["count"], r["others"]), 0) + r["reached"]
@@ -119,6 +119,9 @@ def test_buckets_times_plain_decoding_beside_the_drafts(tmp_path):
     # every system emitted the same tokens (the same samples), whatever steps it took
     totals = {name: sum(b["tokens"].values()) for name, b in result["buckets"].items()}
     assert len(set(totals.values())) == 1 and totals["off"] > 0
+    accepted = result["acceptance_by_step"]  # each system's tokens a row-step, RL step by step
+    assert accepted["off"] == [None] * 4 and all(len(v) == 4 and all(x >= 1 for x in v)
+                                                   for name, v in accepted.items() if name != "off")
     for name, b in result["buckets"].items():
         assert sum(b["seconds"].values()) == pytest.approx(result["decode_seconds"][name])
         assert result["speedup_over_off"][name] == pytest.approx(result["decode_seconds"]["off"] /

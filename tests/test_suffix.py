@@ -194,6 +194,33 @@ def test_a_calibrated_tree_ranks_and_floors_by_the_measured_acceptance():
     assert index.tree(text, 4, 8, calibration=cal)[:2] == ([3, 4], [0, 0])
     assert index.tree(text, 4, 8, floor=0.5, calibration=cal)[:2] == ([3], [0])
 
+
+def test_a_calibrated_tree_follows_the_rates_of_its_own_matched_length():
+    """The same two continuations after a 3-token match (bucket 1) and after a long one (bucket 6): 3 is taken
+    after short matches, 4 after long ones. Drafting after the 3-token match ranks by bucket 1's rates; the
+    counts-only view, which pools both, ranks by the counts (4, seen twice, first)."""
+    prompt = [5]
+    index = SuffixIndex(prompt, history=[[1, 2, 3], [1, 2, 4], [1, 2, 4]])
+    text = prompt + [1, 2]
+    index.add(text, len(prompt))
+    cal = Calibration()
+    for _ in range(40):
+        cal.record({0: {4: (2, 1, 1), 3: (1, 2, 1)}}, [0], [3])
+        cal.record({0: {4: (2, 1, 6), 3: (1, 2, 6)}}, [0], [4])
+    assert index.tree(text, 4, 8, calibration=cal)[0] == [3, 4]
+    assert index.tree(text, 4, 8, calibration=cal.view(False))[0] == [4, 3]
+
+
+def test_deeper_draft_nodes_are_keyed_by_their_longer_matches():
+    index = SuffixIndex([5], history=[[1, 2, 3, 6, 7, 8, 9]])
+    text = [5, 1, 2]
+    index.add(text, 1)
+    weighed = {}
+    tokens, parents = index.tree(text, 8, 8, candidates=weighed)[:2]
+    assert tokens == [3, 6, 7] and parents == [0, 1, 2]  # a 3-token match earns 3 levels
+    # after [5, 1, 2] (3 tokens matched) bucket 1; each drafted token lengthens the match: 4-7 tokens, bucket 2
+    assert weighed == {0: {3: (1, 0, 1)}, 1: {6: (1, 0, 2)}, 2: {7: (1, 0, 2)}}
+
 @settings(max_examples=60, deadline=None)
 @given(streams, st.integers(1, 6), st.floats(0.01, 0.99))
 def test_a_floor_keeps_exactly_the_nodes_scoring_at_least_it(texts, depth, floor):

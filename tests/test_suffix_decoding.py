@@ -177,6 +177,28 @@ def test_the_calibration_learns_during_a_rollout_and_travels_with_the_drafting_s
     assert tlt.RolloutEngine(target).drafting_state() is None
 
 
+def test_each_calibration_level_drafts_by_its_own_estimates(monkeypatch):
+    """The decoder hands the suffix drafter the calibration the arm names: the matched-length estimates by
+    default, the counts-only ones under -c1, none (raw frequencies) under -c0."""
+    from tlt.speculative.suffix import Calibration, SuffixIndex, _CountsOnly
+
+    target = random_target()
+    prompts = [torch.randint(3, 61, (6,), generator=torch.Generator().manual_seed(6)).tolist()]
+    params = tlt.SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    history = histories(target, prompts, params, "plain")
+    seen = []
+    tree = SuffixIndex.tree
+    monkeypatch.setattr(SuffixIndex, "tree", lambda self, *args: seen.append(args[4]) or tree(self, *args))
+    for name, kind in (("suffix-d8-v16-p30", Calibration), ("suffix-d8-v16-p30-c1", _CountsOnly),
+                       ("suffix-d8-v16-p30-c0", type(None))):
+        seen.clear()
+        spec = engine(target, name)
+        spec.generate(prompts, params, history=history)
+        assert seen and all(type(c) is kind for c in seen), name
+        if kind is _CountsOnly:
+            assert all(c.calibration is spec.decoder.calibration for c in seen)
+
+
 def test_the_first_rollout_with_history_makes_the_tuner_measure_the_history_arms_afresh():
     """Measured without history, a suffix arm's rewards say little about it with history: the first rollout
     that brings earlier responses clears them (the other arms keep theirs), once per run; the flag travels

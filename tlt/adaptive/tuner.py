@@ -108,13 +108,15 @@ prune_ratio = 0 disables it.
 
 History. Arms that draft from earlier responses to the prompt (suffix, hybrid) draft from the group alone
 until the run first sees a prompt again, and what they earned then says little about them after: on the bench
-policy, from a cold start over three epochs, a tuner with the calibrated suffix-d16-v32-p30 and -p50 ran plain
-decoding in most steps at 16-32 live rows, where from the second epoch on -p50 decodes 8-30% faster than plain
-decoding (docs/results/README.md, "Calibrated suffix drafts"). The first rollout that brings earlier responses
-makes the tuner forget those arms' rewards and prunings in every bucket (`forget`, called by the adaptive
-decoder; `history_seen` in the state), so they are measured again as untried. In one such run -p50 then ran 138
-of 769 steps at 17-32 rows (4 of 930 without it), though the rollout was no faster than the runs without it
-(1.11x against 1.14x and 1.17x over the default arms, within their spread).
+policy, from a cold start over three epochs, a tuner with suffix-d16-v32-p30-c1 and -p50-c1 ran plain decoding
+in most steps at 16-32 live rows, where in that run's day from the second epoch on -p50-c1 decoded 8-30% faster
+than plain decoding (docs/results/README.md, "Calibrated suffix drafts"). The first rollout that brings earlier
+responses makes the tuner forget those arms' rewards and prunings in every bucket (`forget`, called by the
+adaptive decoder; `history_seen` in the state), so they are measured again as untried. In one such run -p50-c1
+then ran 138 of 769 steps at 17-32 rows (4 of 930 without it), though the rollout was no faster than the runs
+without it (1.11x against 1.14x and 1.17x over the default arms, within their spread). A history arm's first
+step after forgetting decides for a while: under upper bounds, one poor reward keeps an arm out of a bucket until
+its weight has decayed (in one run, 403 steps of plain decoding at 9-16 rows, about 1.5% of the rollout).
 
 "off" is an arm in every bucket and is never pruned: the batch size at which speculation starts to pay
 is measured per bucket (and per drafter quality), not guessed as a fixed threshold, and there is

@@ -269,9 +269,10 @@ def paired_run(base, suffix: str, paired: list[str], log=print) -> tuple:
 
 def calibration_rows(calibration) -> list[dict]:
     """A suffix.Calibration's tables as rows: how often verification accepted a draft node whose parent it
-    accepted, per (count of the node's token after its context, count of the other tokens), both capped,
-    then split by the matched context's length (`matched`: the bucket's least length, a power of two), after
-    the tables' halvings (the recent share of what it saw)."""
+    accepted, per (count of the node's token after its context, count of the other tokens), both capped, and
+    per the same and the matched context's length (`matched`: the bucket's least length, a power of two).
+    Each key's counts are after its own halvings (the recent share of what it saw): the finer keys fill more
+    slowly and halve later, so they split a (count, others) row exactly only until that row first halves."""
     rows = [{"count": c, "others": o, "reached": round(r, 1), "accepted": round(a, 1), "rate": a / r}
             for (c, o), (r, a) in sorted(calibration.table.items()) if r]
     rows += [{"count": c, "others": o, "matched": 2 ** m, "reached": round(r, 1), "accepted": round(a, 1),
@@ -352,6 +353,8 @@ def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
         "suffix": suffix, "paired": paired, "epochs_counted": "2 on" if repeated else "all",
         "decode_seconds": seconds, "speedup_over_off": {name: seconds["off"] / s for name, s in seconds.items() if s},
         "buckets": by_system, "best_by_bucket": best, "per_bucket_bound_over_off": bound,
+        # tokens a row-step of each system's speculative steps, per RL step (None: plain decoding)
+        "acceptance_by_step": {name: [row[name]["acceptance_length"] for row in rows] for name in systems},
         "same_samples": all(r[name]["same_samples"] for r in records for name in paired),
         "calibration": calibration, "wall_s": time.perf_counter() - start,
     }
@@ -396,6 +399,7 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
 
     problems = len(trainers["with"].train_examples)
     epochs = [epoch_of(i, base.prompts_per_step, problems) for i in range(base.steps)]
+    buckets_of = Tuner(base.tuner)  # its buckets only
     by_epoch = {e: [i for i, x in enumerate(epochs) if x == e] for e in sorted(set(epochs))}
     result = {
         "model": base.model, "problems": base.train_problems, "group_size": base.group_size, "steps": base.steps,
@@ -413,7 +417,7 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
         "choices_by_batch_size_with_by_epoch": {e: summed_choices([rows["with"][i] for i in steps])
                                                 for e, steps in by_epoch.items()},
         "draft_sources_with": [r.get("draft_sources") for r in rows["with"]],
-        "arm_rates_by_bucket_by_epoch": {name: {e: arm_rates([rows[name][i] for i in steps], Tuner(base.tuner))
+        "arm_rates_by_bucket_by_epoch": {name: {e: arm_rates([rows[name][i] for i in steps], buckets_of)
                                                 for e, steps in by_epoch.items()} for name in rows},
         "wall_s": time.perf_counter() - start,
     }

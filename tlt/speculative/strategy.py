@@ -17,7 +17,9 @@ agreement; verified target-only), "hybrid" (per row, the suffix tree where it is
 one verification, `prune` applying to both; target-only). Suffix nodes are ranked and pruned by their
 calibrated acceptance (suffix.Calibration, learned from the decoder's verifications) per count of the
 continuation, count of the others and length of the matched context; `calibrated=1` (name suffix "-c1")
-leaves the matched length out, `calibrated=0` ("-c0") ranks them by the sources' raw frequencies.
+leaves the matched length out, `calibrated=0` ("-c0") ranks them by the sources' raw frequencies. Tuner states
+and configs hold arms by name, so a suffix arm named without "-c" in an older run drafts by the matched length
+when resumed (the samples are the same; what it drafts is not): "-c1" drafts as such a run did.
 """
 
 from __future__ import annotations

@@ -194,8 +194,9 @@ class Calibration:
     frequency f = count / (count + others); per (count, others, matched), the same with that estimate in
     place of f. So a key starts at the frequency and ends at its measured rate, and a rarely seen matched
     length borrows its counts' rate. Counts halve once a key has CALIBRATION_HALVE, so the table follows a
-    policy that RL changes. It decides drafts only: verification is target-only, so the samples do not
-    depend on it.
+    policy that RL changes (the finer keys fill more slowly, so they halve later and follow a drift more
+    slowly than their counts' keys do). It decides drafts only: verification is target-only, so the samples do
+    not depend on it.
 
     The matched length matters as much as the counts: on the bench policy, a continuation seen once with
     no other after its context was taken 46% of the times its parent was after a 2-3-token match, 82% after
@@ -280,7 +281,7 @@ def max_depth_for(matched: int, cap: int) -> int:
 
 
 def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: int = 1, floor: float = 0.0,
-               scores: list[float] | None = None, calibration: Calibration | None = None,
+               scores: list[float] | None = None, calibration: Calibration | _CountsOnly | None = None,
                candidates: dict | None = None) -> tuple[list[int], list[int], list[str], int]:
     """The best `budget` continuation nodes up to `max_depth` deep, of those whose path score (the product
     of the conditional probabilities along it: the match-weighted continuation frequencies, or with
@@ -423,7 +424,7 @@ class SuffixIndex:
         return out
 
     def tree(self, text: list[int], max_depth: int, budget: int, floor: float = 0.0,
-             calibration: Calibration | None = None, candidates: dict | None = None
+             calibration: Calibration | _CountsOnly | None = None, candidates: dict | None = None
              ) -> tuple[list[int], list[int], list[str], int]:
         """draft_tree over this row's sources."""
         return draft_tree(self.sources(text), max_depth, budget, self.min_match, floor, None, calibration, candidates)
