@@ -152,12 +152,13 @@ def test_calibration_starts_at_the_frequency_and_learns_from_every_weighed_conti
     counts_only = PRIOR_WEIGHT / (12 + PRIOR_WEIGHT)
     assert cal.probability(1, 1, 4) == pytest.approx(PRIOR_WEIGHT * counts_only / (12 + PRIOR_WEIGHT))
     assert cal.probability(1, 1, 64) == pytest.approx(counts_only)  # a matched length never verified: its counts' rate
-    assert cal.view(False).probability(1, 1, 4) == pytest.approx(counts_only)  # "-c1": the matched length left out
+    counts = cal.view(False)  # "-c1": the matched length left out
+    assert counts.estimate(Calibration.key(1, 1, 4), 1.0) == pytest.approx(counts_only)
     # 5 (3 of 4 times) was drafted and taken; 6 (1 of 4) was weighed and not drafted: both are learned
     for _ in range(12):
         cal.record({0: {5: (3, 1, 0), 6: (1, 3, 0)}}, [0, 1], [5, 2])
-    assert cal.view(False).probability(3, 4, 1) == pytest.approx((12 + PRIOR_WEIGHT * 0.75) / (12 + PRIOR_WEIGHT))
-    assert cal.view(False).probability(1, 4, 1) == pytest.approx(PRIOR_WEIGHT * 0.25 / (12 + PRIOR_WEIGHT))
+    assert counts.estimate(Calibration.key(3, 4, 1), 0.75) == pytest.approx((12 + PRIOR_WEIGHT * 0.75) / (12 + PRIOR_WEIGHT))
+    assert counts.estimate(Calibration.key(1, 4, 1), 0.25) == pytest.approx(PRIOR_WEIGHT * 0.25 / (12 + PRIOR_WEIGHT))
     # after a long match, 1 of 2 was taken every time: that key's rate, not its counts' (1 of 2 after short matches)
     for _ in range(40):
         cal.record({0: {3: (1, 1, 6), 4: (1, 1, 6)}}, [0], [3])

@@ -159,15 +159,31 @@ def acceptance_figure(run: Run, path: Path) -> Path:
     return _save(fig, path)
 
 
+def summed_by_batch(rows: list[dict], key: str = "strategy_by_batch") -> dict[int, dict[str, float]]:
+    """The metric rows' `key` tables (live batch size -> strategy -> decode steps, `time_decode_by_batch_s`'s
+    seconds or `tokens_by_batch`'s tokens) summed, batch sizes ascending; rows without the table add nothing."""
+    total: dict[int, dict[str, float]] = {}
+    for row in rows:
+        for size, by_name in (row.get(key) or {}).items():
+            slot = total.setdefault(int(size), {})
+            for name, value in by_name.items():
+                slot[name] = slot.get(name, 0) + value
+    return dict(sorted(total.items()))
+
+
 def strategy_counts(run: Run) -> dict[int, dict[str, int]]:
     """Decode steps per live batch size and strategy, summed over the run's training steps."""
-    total: dict[int, dict[str, int]] = {}
-    for row in run.train:
-        for size, counts in (row.get("strategy_by_batch") or {}).items():
-            slot = total.setdefault(int(size), {})
-            for name, n in counts.items():
-                slot[name] = slot.get(name, 0) + n
-    return total
+    return summed_by_batch(run.train)
+
+
+def power_bins(table: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """A table of `summed_by_batch` summed into power-of-two bins of batch sizes: k -> the sizes [2^k, 2^(k+1))."""
+    bins: dict[int, dict[str, float]] = {}
+    for size, by_name in table.items():
+        slot = bins.setdefault(int(math.log2(max(size, 1))), {})
+        for name, value in by_name.items():
+            slot[name] = slot.get(name, 0) + value
+    return bins
 
 
 def strategy_figure(run: Run, path: Path) -> Path:
@@ -175,12 +191,7 @@ def strategy_figure(run: Run, path: Path) -> Path:
     on the log axis; each bar is stacked by the fraction of that bin's decode steps per strategy."""
     from matplotlib.ticker import FormatStrFormatter
 
-    counts = strategy_counts(run)
-    bins: dict[int, dict[str, int]] = {}
-    for size, by_name in counts.items():
-        slot = bins.setdefault(int(math.log2(max(size, 1))), {})
-        for name, n in by_name.items():
-            slot[name] = slot.get(name, 0) + n
+    bins = power_bins(strategy_counts(run))
     names = sorted({n for c in bins.values() for n in c}, key=lambda n: (n != "off", n))
     ks = sorted(bins)
     lefts, widths = [2.0 ** k for k in ks], [2.0 ** k for k in ks]
@@ -301,28 +312,20 @@ def _rate_lines(run: Run) -> list[str]:
     """Decode tokens a second per strategy and live batch size bin [2^k, 2^(k+1)) (the strategy figure's), over
     the steps the run gave each: what each arm earned where it ran. Empty for runs whose metrics hold no
     per-batch decode times."""
-    seconds: dict[tuple[int, str], float] = {}
-    tokens: dict[tuple[int, str], int] = {}
-    for row in run.train:
-        times, emitted = row.get("time_decode_by_batch_s"), row.get("tokens_by_batch")
-        if not times or not emitted:
-            continue
-        for size, by_arm in times.items():
-            low = 1 << (int(size).bit_length() - 1)
-            for arm, t in by_arm.items():
-                seconds[low, arm] = seconds.get((low, arm), 0.0) + t
-                tokens[low, arm] = tokens.get((low, arm), 0) + emitted[size][arm]
+    seconds = power_bins(summed_by_batch(run.train, "time_decode_by_batch_s"))
+    tokens = power_bins(summed_by_batch(run.train, "tokens_by_batch"))
     if not seconds:
         return []
     spent: dict[str, float] = {}
-    for (_, arm), t in seconds.items():
-        spent[arm] = spent.get(arm, 0.0) + t
+    for by_arm in seconds.values():
+        for arm, t in by_arm.items():
+            spent[arm] = spent.get(arm, 0.0) + t
     arms = sorted(spent, key=lambda a: -spent[a])
     lines = ["Decode tokens a second by live rows, per strategy where the run used it:", "",
              "| live rows | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
-    for low in sorted({low for low, _ in seconds}):
-        cells = [f"{tokens[low, a] / seconds[low, a]:.0f}" if seconds.get((low, a)) else "-" for a in arms]
-        label = str(low) if low == 1 else f"{low}-{2 * low - 1}"
+    for k in sorted(seconds):
+        cells = [f"{tokens[k][a] / seconds[k][a]:.0f}" if seconds[k].get(a) else "-" for a in arms]
+        label = "1" if k == 0 else f"{2 ** k}-{2 ** (k + 1) - 1}"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

@@ -115,30 +115,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summed_choices(rows: list[dict]) -> dict[str, dict[str, int]]:
-    """Steps per live batch size and arm over the metric rows' `strategy_by_batch`, batch sizes ascending."""
-    choices: dict[str, dict[str, int]] = {}
-    for r in rows:
-        for size, by_arm in r["strategy_by_batch"].items():
-            for arm, n in by_arm.items():
-                choices.setdefault(size, {}).setdefault(arm, 0)
-                choices[size][arm] += n
-    return dict(sorted(choices.items(), key=lambda kv: int(kv[0])))
-
-
 def arm_rates(rows: list[dict], tuner) -> dict[str, dict[str, dict]]:
     """Per tuner bucket (its label) and arm: decode steps, seconds, tokens and tokens a second, summed over the
     metric rows' `strategy_by_batch`, `time_decode_by_batch_s` and `tokens_by_batch`: what each arm earned where
     the tuner ran it (a step's seconds include the prefill of rows admitted before it, as the engine times it)."""
+    from tlt.report import summed_by_batch
+
+    tables = {name: summed_by_batch(rows, key) for name, key in
+              (("steps", "strategy_by_batch"), ("seconds", "time_decode_by_batch_s"), ("tokens", "tokens_by_batch"))}
     by_bucket: dict[int, dict[str, dict]] = {}
-    for r in rows:
-        for size, by_arm in r["strategy_by_batch"].items():
-            bucket = by_bucket.setdefault(tuner.bucket_of(int(size)), {})
-            for arm, steps in by_arm.items():
-                slot = bucket.setdefault(arm, {"steps": 0, "seconds": 0.0, "tokens": 0})
-                slot["steps"] += steps
-                slot["seconds"] += r["time_decode_by_batch_s"][size][arm]
-                slot["tokens"] += r["tokens_by_batch"][size][arm]
+    for size, by_arm in tables["steps"].items():
+        bucket = by_bucket.setdefault(tuner.bucket_of(size), {})
+        for arm in by_arm:
+            slot = bucket.setdefault(arm, {"steps": 0, "seconds": 0.0, "tokens": 0})
+            for name, table in tables.items():
+                slot[name] += table[size][arm]
     for by_arm in by_bucket.values():
         for slot in by_arm.values():
             slot["tokens_per_s"] = slot["tokens"] / slot["seconds"] if slot["seconds"] else None
@@ -371,6 +362,7 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step."""
     from tlt.adaptive.tuner import Tuner
     from tlt.bench.e2e import STAGES
+    from tlt.report import summed_by_batch
     from tlt.errors import ConfigError
     from tlt.rl.side_by_side import matching_steps
     from tlt.rl.trainer import GRPOTrainer
@@ -413,8 +405,8 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
         "rollout_speedup_by_epoch": {e: sum(rows["without"][i]["time_rollout_s"] for i in steps) /
                                      sum(rows["with"][i]["time_rollout_s"] for i in steps) for e, steps in by_epoch.items()},
         "rollout_s_by_step": {name: [r["time_rollout_s"] for r in rows[name]] for name in rows},
-        "choices_by_batch_size_with": summed_choices(rows["with"]),
-        "choices_by_batch_size_with_by_epoch": {e: summed_choices([rows["with"][i] for i in steps])
+        "choices_by_batch_size_with": summed_by_batch(rows["with"]),
+        "choices_by_batch_size_with_by_epoch": {e: summed_by_batch([rows["with"][i] for i in steps])
                                                 for e, steps in by_epoch.items()},
         "draft_sources_with": [r.get("draft_sources") for r in rows["with"]],
         "arm_rates_by_bucket_by_epoch": {name: {e: arm_rates([rows[name][i] for i in steps], buckets_of)

@@ -218,14 +218,17 @@ class Calibration:
     def probability(self, count: int, mass: int, matched: int) -> float:
         """The estimated acceptance of a continuation seen `count` times of `mass` after a context of
         `matched` tokens."""
-        c, o, m = self.key(count, mass, matched)
-        estimate = self._counts_estimate(count, mass, c, o)
-        seen = self.by_match.get((c, o, m))
-        return estimate if seen is None else (seen[1] + PRIOR_WEIGHT * estimate) / (seen[0] + PRIOR_WEIGHT)
+        return self.estimate(self.key(count, mass, matched), count / mass)
 
-    def _counts_estimate(self, count: int, mass: int, c: int, o: int) -> float:
-        frequency = count / mass
-        seen = self.table.get((c, o))
+    def estimate(self, key: tuple[int, int, int], frequency: float) -> float:
+        """The estimate of `key` (`Calibration.key`) for a continuation of raw `frequency`."""
+        prior = self.counts_estimate(key, frequency)
+        seen = self.by_match.get(key)
+        return prior if seen is None else (seen[1] + PRIOR_WEIGHT * prior) / (seen[0] + PRIOR_WEIGHT)
+
+    def counts_estimate(self, key: tuple[int, int, int], frequency: float) -> float:
+        """The estimate of `key`'s (count, others) alone, the matched length left out."""
+        seen = self.table.get(key[:2])
         return frequency if seen is None else (seen[1] + PRIOR_WEIGHT * frequency) / (seen[0] + PRIOR_WEIGHT)
 
     def view(self, by_match: bool) -> "Calibration | _CountsOnly":
@@ -252,8 +255,8 @@ class Calibration:
                 "by_match": [[c, o, m, r, a] for (c, o, m), (r, a) in sorted(self.by_match.items())]}
 
     def load_state_dict(self, state: dict) -> None:
-        """A state of `state_dict`; one written before the matched length was kept (no "by_match") loads with
-        none: those keys start at their counts' estimate."""
+        """A state of `state_dict`. One without "by_match" (the counts-only format) loads with no matched-length
+        keys: each starts at its counts' estimate."""
         table = {(int(c), int(o)): [float(r), float(a)] for c, o, r, a in state["table"]}
         by_match = {(int(c), int(o), int(m)): [float(r), float(a)] for c, o, m, r, a in state.get("by_match", [])}
         for entries in (table, by_match):
@@ -270,9 +273,8 @@ class _CountsOnly:
     def __init__(self, calibration: Calibration) -> None:
         self.calibration = calibration
 
-    def probability(self, count: int, mass: int, matched: int) -> float:
-        c, o, _ = Calibration.key(count, mass, matched)
-        return self.calibration._counts_estimate(count, mass, c, o)
+    def estimate(self, key: tuple[int, int, int], frequency: float) -> float:
+        return self.calibration.counts_estimate(key, frequency)
 
 
 def max_depth_for(matched: int, cap: int) -> int:
@@ -326,12 +328,15 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
                     entry[1] = (w, src, child)
         weighed = candidates.setdefault(node, {}) if candidates is not None else None
         context = max(m for _, _, m in views)  # the longest matched context the continuations follow
+        keyed = weighed is not None or calibration is not None
         for tok, (p, (_, src, child), count) in merged.items():
             order += 1
-            if weighed is not None:
-                weighed[tok] = Calibration.key(count, total_mass, context)
-            if calibration is not None:
-                p = calibration.probability(count, total_mass, context)
+            if keyed:
+                key = Calibration.key(count, total_mass, context)
+                if weighed is not None:
+                    weighed[tok] = key
+                if calibration is not None:
+                    p = calibration.estimate(key, count / total_mass)
             heapq.heappush(heap, (-score * p, order, node, depth + 1, tok, source_name(src, child)))
 
     views_of = {0: [(src, state, matched) for src, state, matched in start]}
