@@ -158,6 +158,7 @@ DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d8-k2
 
 STATE_VERSION = 4  # version 1 holds no step times, 1-2 no batch sizes, 1-3 no runs; all load without them
 EXPLORE = ("cost", "uniform", "ucb")
+SCORES = ("median", "mean")
 STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 SLOPE_EVERY = 32  # rewards a bucket records between fits of its row slope (a fit reads every window)
 
@@ -180,6 +181,7 @@ class TunerConfig:
                                     "on log live rows (false: raw rewards)")
     explore_run: int = setting(1, "steps an exploration draw (or an untried arm) keeps its arm; the step after a "
                                   "switch of arms is not scored (1: single exploration steps, every step scored)")
+    score: str = setting("median", "what ranks an arm's window of rewards: median or mean (both decayed)")
 
     def __post_init__(self) -> None:
         for name in ("buckets", "arms"):
@@ -214,6 +216,7 @@ class TunerConfig:
         check(self, "ucb", self.ucb >= 0, ">= 0")
         check(self, "row_slope", isinstance(self.row_slope, bool), "true or false")
         check_int(self, "explore_run", 1)
+        check_choice(self, "score", SCORES)
 
 
 def _check_measure(name: str, value) -> None:
@@ -238,6 +241,15 @@ def decayed_median(stamps: Sequence[int], values: Sequence[float], decay: float)
         return statistics.median(values)
     newest = stamps[-1]
     return weighted_median(values, [decay ** (newest - s) for s in stamps])
+
+
+def decayed_mean(stamps: Sequence[int], values: Sequence[float], decay: float) -> float:
+    """Weighted mean of `values`, weight decay ** (newest stamp - stamp)."""
+    if decay == 1:
+        return statistics.fmean(values)
+    newest = stamps[-1]
+    weights = [decay ** (newest - s) for s in stamps]
+    return math.fsum(w * v for w, v in zip(weights, values)) / math.fsum(weights)
 
 
 def _log(x: float) -> float:
@@ -421,17 +433,18 @@ class Tuner:
         return self._greedy(bucket, tried) if tried else None
 
     def _score(self, bucket: _Bucket, arm: Strategy) -> float:
-        """Decayed median reward of `arm` in `bucket` (what the greedy choice ranks by); +inf while it has none."""
+        """Decayed median (or mean) reward of `arm` in `bucket` (what the greedy choice ranks by); +inf while it has
+        none."""
         return self._summary(bucket, arm)[0] if bucket.windows[arm] else math.inf
 
     def _median(self, bucket: _Bucket, arm: Strategy) -> float:
-        """Plain median of the window (what pruning compares)."""
+        """Plain median (or mean) of the window (what pruning compares)."""
         return self._summary(bucket, arm)[1]
 
     def _summary(self, bucket: _Bucket, arm: Strategy) -> tuple[float, float]:
-        """(decayed median, plain median) of the arm's rewards, moved along the bucket's row slope to its
-        smallest batch size; medians of log rewards, as the move is a shift in logs (exp of a log median is
-        the median)."""
+        """(decayed, plain) median of the arm's rewards (means under score="mean"), moved along the bucket's row
+        slope to its smallest batch size; medians of log rewards, as the move is a shift in logs (exp of a log
+        median is the median)."""
         if arm not in bucket.summaries:
             stamps = [s for s, _, _ in bucket.windows[arm]]
             if bucket.slope:
@@ -439,8 +452,12 @@ class Tuner:
                 values = [y if x is None else y - slope * (x - base) for y, x in bucket.logs[arm]]
             else:
                 values = [y for y, _ in bucket.logs[arm]]
-            bucket.summaries[arm] = (math.exp(decayed_median(stamps, values, self.config.decay)),
-                                     math.exp(statistics.median(values)))
+            if self.config.score == "mean":
+                rewards = [math.exp(v) for v in values]
+                bucket.summaries[arm] = (decayed_mean(stamps, rewards, self.config.decay), statistics.fmean(rewards))
+            else:
+                bucket.summaries[arm] = (math.exp(decayed_median(stamps, values, self.config.decay)),
+                                         math.exp(statistics.median(values)))
         return bucket.summaries[arm]
 
     def _greedy(self, bucket: _Bucket, arms: list[Strategy]) -> Strategy:
@@ -506,8 +523,8 @@ class Tuner:
 
     def stats(self) -> dict:
         """Per bucket (list index = bucket index): choice counts, explorations, window sizes, plain and
-        decayed medians (the latter is what the greedy choice ranks; both as at the bucket's smallest batch
-        size, moved along its row slope), the slope, the greedy arm, and the pruned arms with why they were
+        decayed medians (means under score="mean"; the latter is what the greedy choice ranks; both as at the
+        bucket's smallest batch size, moved along its row slope), the slope, the greedy arm, and the pruned arms with why they were
         pruned."""
         out = []
         for i, bucket in enumerate(self._buckets):
