@@ -105,7 +105,7 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
     import torch.nn.functional as F
 
     from tlt.model import cpu_kernels
-    from tlt.model.packed import ONEDNN
+    from tlt.model.packed import ONEDNN, ONEDNN_BF16
 
     data = torch.ones(BANDWIDTH_BYTES // 4)
     bandwidth = read_gb_s(_median_seconds(data.sum, repeats))
@@ -118,7 +118,7 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
     out = {"bandwidth_gb_s": bandwidth}
     with torch.inference_mode():
         plain = {"plain": lambda x: [F.linear(x, w) for w in weights]}
-        if ONEDNN:
+        if ONEDNN if dtype == torch.float32 else ONEDNN_BF16:  # no bf16 packing on an AVX2-only CPU
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
             plain["onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
         kernels = cpu_kernels.kernels() if dtype == torch.bfloat16 else None

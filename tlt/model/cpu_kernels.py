@@ -26,7 +26,8 @@ and reading it back (the MLP at 216-432 rows: 0.90x the time of the product and 
 The extension is built with PyTorch's own toolchain (`torch.utils.cpp_extension`: a C++ compiler and
 ninja, ~1 minute once, cached under the torch extensions folder, rebuilt when the source changes).
 Where it cannot run (no AVX-512 BF16, no compiler, `TLT_CPU_KERNELS=0`) bf16 products take oneDNN's
-prepacked weights and a warning names the reason once.
+prepacked weights, or PyTorch's plain bf16 products where oneDNN packs no bf16 (an AVX2-only CPU), and a
+warning names the reason and the path once.
 """
 
 from __future__ import annotations
@@ -107,8 +108,14 @@ def kernels():
     global _warned
     if loaded() is None and not _warned:
         _warned = True
-        warnings.warn(f"tlt: bf16 CPU kernels unavailable: {_reason}; bf16 products use oneDNN "
-                      f"(a one-token step runs about half as fast)", RuntimeWarning, stacklevel=2)
+        from tlt.model.packed import ONEDNN_BF16  # packed imports this module
+
+        if ONEDNN_BF16:
+            fallback = "bf16 products use oneDNN (a one-token step runs about half as fast)"
+        else:  # an AVX2-only CPU (measured on a Zen 3 EPYC: 2.4x float32's time at 9 rows, 4.6x at 64)
+            fallback = ("this CPU's oneDNN packs no bf16 either, so bf16 products take PyTorch's plain ones, several "
+                        "times slower than float32 from a few rows: prefer float32 (rollout_dtype=float32) here")
+        warnings.warn(f"tlt: bf16 CPU kernels unavailable: {_reason}; {fallback}", RuntimeWarning, stacklevel=2)
     return _module
 
 

@@ -20,7 +20,8 @@ column-major layout of tlt/model/layout.py, whose MKL products are the faster th
 parameter changes. With bits=4 (a drafter's products, `Drafter.set_weight_bits`) a bf16 weight that tlt's
 kernel takes is rounded to 16 levels per column and group of 128 inputs (`cpu_kernels.pack4`): a quarter of the
 bytes to stream; other weights ignore it. Where oneDNN is missing or cannot pack (a CPU build without it, a GPU tensor) the
-same object multiplies the plain weight.
+same object multiplies the plain weight; so does a bf16 weight on a CPU whose oneDNN cannot pack bf16 (no
+AVX-512 and no AVX-NE-CONVERT: AVX2-only CPUs), through PyTorch's own bf16 products.
 """
 
 from __future__ import annotations
@@ -37,24 +38,30 @@ ONE_ROW_PAD = 4  # rows a single bf16 row is multiplied as on oneDNN (`PackedLin
 KERNELS = True  # bf16 products on tlt's kernel where it runs (tests turn it off to take oneDNN's path)
 
 
-def _probe_onednn() -> bool:
-    """Whether this build multiplies by prepacked oneDNN weights (a CPU build without oneDNN has no ops)."""
+def _probe_onednn(dtype: torch.dtype) -> bool:
+    """Whether this build and CPU multiply by prepacked oneDNN weights of `dtype`: a CPU build without oneDNN
+    has no ops, and oneDNN packs bf16 only where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (an
+    AVX2-only CPU, such as AMD's Zen 3, refuses with a RuntimeError)."""
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), 1)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), w, None, "none", [], "")
-        return bool(torch.backends.mkldnn.is_available()) and float(out.sum()) == 4.0
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), 1)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), w, None, "none", [], "")
+        return bool(torch.backends.mkldnn.is_available()) and float(out.float().sum()) == 4.0
     except (AttributeError, RuntimeError):
         return False
 
 
-ONEDNN = _probe_onednn()
+ONEDNN = _probe_onednn(torch.float32)
+ONEDNN_BF16 = ONEDNN and _probe_onednn(torch.bfloat16)  # else bf16 weights keep F.linear's plain products
 
 
 def should_pack(weight: torch.Tensor) -> bool:
-    """Whether products with `weight` [out, in] are faster on prepacked oneDNN weights (module docstring)."""
+    """Whether products with `weight` [out, in] are faster on prepacked oneDNN weights (module docstring);
+    never for a dtype this CPU's oneDNN cannot pack."""
     if not ONEDNN or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
         return False
-    return weight.dtype != torch.float32 or weight.numel() * weight.element_size() >= PACK_MIN_BYTES
+    if weight.dtype == torch.bfloat16:
+        return ONEDNN_BF16
+    return weight.numel() * weight.element_size() >= PACK_MIN_BYTES
 
 
 def kernels_for(weight: torch.Tensor):
