@@ -128,6 +128,37 @@ def test_buckets_times_plain_decoding_beside_the_drafts(tmp_path):
                                                                  result["decode_seconds"][name])
 
 
+def test_speedup_runs_each_tuner_variant_beside_the_others(tmp_path):
+    """`--tuner 'KEY=VALUE ...'` adds a run with the suffix arms under those tuner settings, alternating with the
+    other two; each is compared with the run without the arms, on the same samples."""
+    from tlt.bench.history import speedup
+    from tlt.cli import main
+    from tlt.config import build
+    from tlt.errors import ConfigError
+    from tlt.rl.config import TrainConfig
+
+    model = save_tiny_policy(tmp_path / "model")
+    out = tmp_path / "history.json"
+    shared = ["--measure", "speedup", "--problems", "2", "--epochs", "2", "--prompts-per-step", "1", "--group", "2",
+              "--arms", "suffix-d8-v16", "--json", str(out), f"model={model}", "drafter.model=none",
+              "reward=reward_fixtures:digit_fraction", "max_response_tokens=12"]
+    assert main(["bench", "history", "--tuner", "score=mean", *shared]) == 0
+    figures = json.loads(out.read_text())
+    result = figures["speedup"]
+    assert set(result["rollout_s"]) == {"without", "with", "with[score=mean]"}
+    by_tuner = result["rollout_speedup_by_tuner"]
+    assert by_tuner["with"] == result["rollout_speedup"]
+    assert by_tuner["with[score=mean]"] == pytest.approx(result["rollout_s"]["without"] /
+                                                         result["rollout_s"]["with[score=mean]"])
+    assert set(result["rollout_speedup_by_tuner_by_epoch"]["with[score=mean]"]) == {"1", "2"}
+    assert result["matching_steps"] == 4  # every run drew the same samples
+    assert " --arms suffix-d8-v16 --tuner score=mean " in figures["speedup_command"]
+    base = build(TrainConfig, None, [f"model={model}"])
+    for bad in (["score=mode"], ["score"], ["score=mean", " score=mean"]):
+        with pytest.raises(ConfigError, match="--tuner"):
+            speedup(base, ("suffix-d8-v16",), bad)
+
+
 def test_paired_systems_that_cannot_be_compared_are_refused():
     from tlt.bench.history import acceptance, paired_run
     from tlt.errors import ConfigError

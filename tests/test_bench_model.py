@@ -132,10 +132,16 @@ def test_cache_root_follows_tlt_cache_then_xdg(monkeypatch, tmp_path):
     assert bench_model.cache_folder() == tmp_path / "c" / "bench"
 
 
-def test_sft_under_bf16_autocast_trains_a_tiny_model_and_records_the_preset(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slow_bf16", [False, True])
+def test_sft_under_bf16_autocast_trains_a_tiny_model_and_records_the_preset(tmp_path, monkeypatch, slow_bf16):
+    """Where the CPU has bf16 products autocast trains in bf16; where it has none (AVX2 only: ~40x slower) the run
+    says so and trains in float32, and recipe.json records the autocast that ran."""
     import math
 
+    import tlt.device
     from tlt.sft import train_sft
+
+    monkeypatch.setattr(tlt.device, "slow_cpu_bf16", lambda: slow_bf16)
 
     tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
             "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 2048, "steps": 2,
@@ -145,8 +151,9 @@ def test_sft_under_bf16_autocast_trains_a_tiny_model_and_records_the_preset(tmp_
     lines = []
     train_sft(c, tmp_path / "m", log=lines.append, preset="bench")
     recipe = json.loads((tmp_path / "m" / "recipe.json").read_text())
-    assert recipe["preset"]["name"] == "bench" and recipe["config"]["autocast"] is True
+    assert recipe["preset"]["name"] == "bench" and recipe["config"]["autocast"] is not slow_bf16
     assert math.isfinite(recipe["metrics"]["loss"]) and "min left" in lines[-1]
+    assert any("training in float32" in line for line in lines) == slow_bf16
 
 
 def test_e2e_model_option_implies_the_bench_policys_task_drafter_and_budget():

@@ -460,6 +460,22 @@ def test_compare_in_bfloat16_against_a_float32_baseline(model_dir, tmp_path):
     assert same["runs"] == ["tlt"] and not any(k.endswith("bfloat16") for k in same["ratios"])
 
 
+@pytest.mark.parametrize("slow_bf16", [False, True])
+def test_bfloat16_on_a_cpu_without_bf16_products_warns(model_dir, monkeypatch, slow_bf16):
+    """An AVX2-only CPU runs bf16 products through PyTorch's reference kernels (tlt.device.slow_cpu_bf16): a run
+    that asks for bf16 there is told what it costs; float32 runs and CPUs with bf16 products hear nothing."""
+    import warnings
+
+    import tlt.rl.trainer
+
+    monkeypatch.setattr(tlt.rl.trainer, "slow_cpu_bf16", lambda: slow_bf16)
+    for fields, warned in (({}, False), ({"dtype": "bfloat16"}, slow_bf16)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            GRPOTrainer(config(model_dir, **fields), log=lambda *_: None).close()
+        assert any("several times slower than float32" in str(w.message) for w in caught) == warned, fields
+
+
 def test_rollout_in_bfloat16_with_float32_master_weights(model_dir):
     """rollout_dtype=bfloat16: the engine holds bf16 weights (each sync casts the trainer's fp32 ones),
     old log-probs are recomputed by the trainer, so the first importance ratio is still 1, and the spot

@@ -44,3 +44,15 @@ def synchronize(device) -> None:
 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def slow_cpu_bf16() -> bool:
+    """Whether bf16 products on this CPU take PyTorch's reference kernels: oneDNN has no bf16 products without
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (an AVX2-only CPU, such as AMD's Zen 3), nor does a build without
+    oneDNN. There a bf16-autocast forward and backward of the bench preset (tlt sft --preset bench) takes about
+    40x float32's time (51 s against 1.3 s over 256 tokens on 2 cores of a Zen 3 EPYC), and a bf16 product
+    of 9 rows 2.4x float32's, of 64 rows 4.6x."""
+    from tlt.model.packed import ONEDNN_BF16
+
+    return not ONEDNN_BF16
+

@@ -25,6 +25,7 @@ import math
 import random
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,11 +195,17 @@ def train_sft(c: SFTConfig, out: Path, command: str = "tlt sft", log=print, pres
     import torch
     import torch.nn.functional as F
 
+    from tlt.device import slow_cpu_bf16
     from tlt.model import Transformer
     from tlt.tasks import CharTokenizer
 
     if c.threads:
         torch.set_num_threads(c.threads)
+    if c.autocast and slow_cpu_bf16():
+        log("sft: autocast=true asks for bf16 products, which this CPU runs about 40x slower than float32 (no "
+            "AVX-512 or AVX-NE-CONVERT: oneDNN has no bf16 there); training in float32 (recipe.json records "
+            "autocast=false)")
+        c = dataclasses.replace(c, autocast=False)
     torch.manual_seed(c.seed)
     tokenizer = CharTokenizer()
     if c.init:

@@ -9,6 +9,7 @@ import statistics
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
+    from tlt.adaptive.tuner import TunerConfig
     from tlt.rollout import EngineConfig
 
 BENCHES = {
@@ -64,6 +65,20 @@ def parse_drafter_window(item: str, flag: str) -> int | str | None:
     if not item.isdigit():
         raise ConfigError(f"{flag}: {item!r} is neither auto nor an integer >= 0")
     return int(item) or None
+
+
+def tuner_settings(text: str, flag: str) -> tuple["TunerConfig", list[str]]:
+    """One 'KEY=VALUE ...' value of a bench's tuner option (`flag`): the default TunerConfig with those settings,
+    and the keys set."""
+    from tlt.adaptive.tuner import TunerConfig
+    from tlt.config import from_dict, parse_overrides
+    from tlt.errors import ConfigError
+
+    source = f"{flag} {text!r}"
+    settings = parse_overrides(text.split(), source)
+    if not settings:
+        raise ConfigError(f"{source}: expected one or more KEY=VALUE settings of the tuner")
+    return from_dict(TunerConfig, settings, source=source), list(settings)
 
 
 def rotation(names: Sequence, repeat: int) -> list:

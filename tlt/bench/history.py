@@ -35,9 +35,10 @@ import json
 import math
 import shlex
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from tlt.bench import rotation
+from tlt.bench import rotation, tuner_settings
 from tlt.config import override
 from tlt.rollout.stats import RolloutStats
 
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "(comma-separated; for acceptance the first is the n-gram "
                                                              "baseline; buckets adds off)")
     parser.add_argument("--arms", default=",".join(SUFFIX_ARMS), help="speedup: the arms added to the tuner's")
+    parser.add_argument("--tuner", action="append", default=[], metavar="'KEY=VALUE ...'",
+                        help="speedup: one more run with the added arms whose tuner takes these settings, alternating "
+                             "step by step with the others (repeatable)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--plot", help="speedup: draw the tuner's choice per live batch size, epoch 2 on, here (PNG)")
     parser.add_argument("--json", default="docs/results/history_drafts.json", help="merge the figures into this file")
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     command = " ".join(["tlt bench history", f"--measure {args.measure}", f"--problems {args.problems}",
                         f"--epochs {args.epochs}", f"--prompts-per-step {args.prompts_per_step}", f"--group {args.group}",
                         *([f"--suffix {args.suffix}", f"--paired {args.paired}"] if args.measure != "speedup"
-                          else [f"--arms {args.arms}"]),
+                          else [f"--arms {args.arms}", *(f"--tuner {shlex.quote(t)}" for t in args.tuner)]),
                         *([f"--threads {args.threads}"] if args.threads else []),
                         *(shlex.quote(o) for o in args.overrides)])
     if args.measure == "acceptance":
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         figures = {"per_bucket_bound_over_off": result["per_bucket_bound_over_off"], "buckets_command": command,
                    "buckets": result}
     else:
-        result = speedup(base, tuple(comma_list(args.arms)))
+        result = speedup(base, tuple(comma_list(args.arms)), args.tuner)
         figures = {"speedup_with_suffix_arms": result["rollout_speedup"], "speedup_command": command,
                    "speedup": result}
         if args.plot:
@@ -358,8 +362,10 @@ def buckets(base, suffix: str, paired: list[str], log=print) -> dict:
     return result
 
 
-def speedup(base, arms: tuple[str, ...], log=print) -> dict:
-    """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step."""
+def speedup(base, arms: tuple[str, ...], tuners: Sequence[str] = (), log=print) -> dict:
+    """Adaptive runs with the tuner's arms without and with `arms`, alternating step by step; each of `tuners`
+    ('KEY=VALUE ...' tuner settings) adds a run with `arms` whose tuner takes them, named "with[KEY=VALUE ...]"
+    (`rollout_speedup_by_tuner`: the run without the arms over each run with them)."""
     from tlt.adaptive.tuner import Tuner
     from tlt.bench.e2e import STAGES
     from tlt.report import summed_by_batch
@@ -372,6 +378,13 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     without = tuple(a for a in base.tuner.arms if a not in arms)
     configs = {"without": override(base, {"speculative": "adaptive", "tuner.arms": without}),
                "with": override(base, {"speculative": "adaptive", "tuner.arms": without + arms})}
+    for text in tuners:
+        tuner, keys = tuner_settings(text, "--tuner")
+        name = f"with[{' '.join(text.split())}]"
+        if name in configs:
+            raise ConfigError(f"--tuner {text!r} is given twice")
+        configs[name] = override(base, {"speculative": "adaptive", "tuner.arms": without + arms,
+                                        **{f"tuner.{key}": getattr(tuner, key) for key in keys}})
     trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
     log(f"{base.model}: {base.train_problems} problems x {base.group_size} samples, {base.steps} steps; tuner arms "
         f"{','.join(without)} vs + {','.join(arms)}, alternating step by step")
@@ -399,8 +412,14 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
         "rollout_speedup": total("without", "time_rollout_s") / total("with", "time_rollout_s"),
         "step_speedup": total("without", "time_step_s") / total("with", "time_step_s"),
         "rollout_s": {name: total(name, "time_rollout_s") for name in rows},
+        **({"rollout_speedup_by_tuner": {name: total("without", "time_rollout_s") / total(name, "time_rollout_s")
+                                         for name in rows if name != "without"},
+            "rollout_speedup_by_tuner_by_epoch": {
+                name: {e: sum(rows["without"][i]["time_rollout_s"] for i in steps) /
+                       sum(rows[name][i]["time_rollout_s"] for i in steps) for e, steps in by_epoch.items()}
+                for name in rows if name != "without"}} if tuners else {}),
         "breakdown_s": {name: {stage: total(name, f"time_{stage}_s") for stage in STAGES} for name in rows},
-        "matching_steps": matching_steps(rows["without"], rows["with"]),
+        "matching_steps": min(matching_steps(rows["without"], rows[name]) for name in rows if name != "without"),
         "acceptance_length": {name: [r["acceptance_length"] for r in rows[name]] for name in rows},
         "rollout_speedup_by_epoch": {e: sum(rows["without"][i]["time_rollout_s"] for i in steps) /
                                      sum(rows["with"][i]["time_rollout_s"] for i in steps) for e, steps in by_epoch.items()},
@@ -415,4 +434,6 @@ def speedup(base, arms: tuple[str, ...], log=print) -> dict:
     }
     log(f"rollout speed-up with the suffix arms: {result['rollout_speedup']:.2f}x (whole step "
         f"{result['step_speedup']:.2f}x); steps with the same samples: {result['matching_steps']} of {base.steps}")
+    for name, ratio in result.get("rollout_speedup_by_tuner", {}).items():
+        log(f"  {name}: {ratio:.2f}x")
     return result

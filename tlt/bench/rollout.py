@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from tlt.bench import (add_workload_arguments, baseline_name, comma_list, fill_workload_defaults, paired,
-                       parse_drafter_window, rotation, tokens_per_s)
+                       parse_drafter_window, rotation, tokens_per_s, tuner_settings)
 from tlt.device import synchronize
 from tlt.model.checkpoint import DTYPE_NAMES
 
@@ -151,15 +151,7 @@ def adaptive_arms(text: str) -> tuple[str, ...]:
 
 def adaptive_tuner(text: str):
     """The TunerConfig of one `--adaptive-tuner` value: the defaults with its KEY=VALUE settings."""
-    from tlt.adaptive.tuner import TunerConfig
-    from tlt.config import from_dict, parse_overrides
-    from tlt.errors import ConfigError
-
-    source = f"--adaptive-tuner {text!r}"
-    settings = parse_overrides(text.split(), source)
-    if not settings:
-        raise ConfigError(f"{source}: expected one or more KEY=VALUE settings of the tuner")
-    return from_dict(TunerConfig, settings, source=source)
+    return tuner_settings(text, "--adaptive-tuner")[0]
 
 
 def fixed_strategies(text: str) -> list[str]:
