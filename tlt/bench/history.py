@@ -402,6 +402,10 @@ def speedup(base, arms: tuple[str, ...], tuners: Sequence[str] = (), log=print) 
     def total(name, key):
         return sum(r[key] for r in rows[name])
 
+    def speedup_by_epoch(name):  # the run without the arms' rollout time over `name`'s, epoch by epoch
+        return {e: sum(rows["without"][i]["time_rollout_s"] for i in steps) /
+                sum(rows[name][i]["time_rollout_s"] for i in steps) for e, steps in by_epoch.items()}
+
     problems = len(trainers["with"].train_examples)
     epochs = [epoch_of(i, base.prompts_per_step, problems) for i in range(base.steps)]
     buckets_of = Tuner(base.tuner)  # its buckets only
@@ -414,15 +418,12 @@ def speedup(base, arms: tuple[str, ...], tuners: Sequence[str] = (), log=print) 
         "rollout_s": {name: total(name, "time_rollout_s") for name in rows},
         **({"rollout_speedup_by_tuner": {name: total("without", "time_rollout_s") / total(name, "time_rollout_s")
                                          for name in rows if name != "without"},
-            "rollout_speedup_by_tuner_by_epoch": {
-                name: {e: sum(rows["without"][i]["time_rollout_s"] for i in steps) /
-                       sum(rows[name][i]["time_rollout_s"] for i in steps) for e, steps in by_epoch.items()}
-                for name in rows if name != "without"}} if tuners else {}),
+            "rollout_speedup_by_tuner_by_epoch": {name: speedup_by_epoch(name) for name in rows if name != "without"}}
+           if tuners else {}),
         "breakdown_s": {name: {stage: total(name, f"time_{stage}_s") for stage in STAGES} for name in rows},
         "matching_steps": min(matching_steps(rows["without"], rows[name]) for name in rows if name != "without"),
         "acceptance_length": {name: [r["acceptance_length"] for r in rows[name]] for name in rows},
-        "rollout_speedup_by_epoch": {e: sum(rows["without"][i]["time_rollout_s"] for i in steps) /
-                                     sum(rows["with"][i]["time_rollout_s"] for i in steps) for e, steps in by_epoch.items()},
+        "rollout_speedup_by_epoch": speedup_by_epoch("with"),
         "rollout_s_by_step": {name: [r["time_rollout_s"] for r in rows[name]] for name in rows},
         "choices_by_batch_size_with": summed_by_batch(rows["with"]),
         "choices_by_batch_size_with_by_epoch": {e: summed_by_batch([rows["with"][i] for i in steps])
