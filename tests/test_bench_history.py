@@ -154,7 +154,7 @@ def test_speedup_runs_each_tuner_variant_beside_the_others(tmp_path):
     assert result["matching_steps"] == 4  # every run drew the same samples
     assert " --arms suffix-d8-v16 --tuner score=mean " in figures["speedup_command"]
     base = build(TrainConfig, None, [f"model={model}"])
-    for bad in (["score=mode"], ["score"], ["score=mean", " score=mean"]):
+    for bad in (["score=mode"], ["score"], ["score=mean", " score=mean"], ["arms=off"]):
         with pytest.raises(ConfigError, match="--tuner"):
             speedup(base, ("suffix-d8-v16",), bad)
 

@@ -197,7 +197,7 @@ def test_packed_linear_takes_the_kernel_for_bf16_only(monkeypatch):
     assert (linear(x[None]).float()[0] - exact).abs().max() <= 0.01 * exact.abs().max()
     monkeypatch.setattr(packed, "KERNELS", False)
     onednn = packed.PackedLinear(w)
-    assert onednn.kernels is None and onednn.packed == packed.ONEDNN
+    assert onednn.kernels is None and onednn.packed == packed.ONEDNN_BF16
     assert (onednn(x).float() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 

@@ -124,9 +124,16 @@ def test_model_runs_the_fused_step_without_gradients_only(tiny_model):
     assert (fused_half.argmax(-1) == reference_half.argmax(-1)).float().mean() >= 0.9
 
 
+def test_the_bf16_packing_probe_agrees_with_torchs_own_check():
+    """ONEDNN_BF16 (a reorder and product tried at import) says what PyTorch says of this CPU's oneDNN bf16: an
+    AVX-512 CPU packs bf16 weights, an AVX2-only one cannot (and its bf16 weights stay plain)."""
+    assert packed.ONEDNN_BF16 == (packed.ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def test_bf16_fused_step_within_bf16_rounding_of_float32(tiny_model, packing):
     """bf16 products take packed oneDNN weights wherever oneDNN packs bf16 (whatever their size), plain bf16
-    ones otherwise (no oneDNN, or an AVX2-only CPU); either way a cached bf16 forward stays within bf16 rounding of float32's, row by row."""
+    ones otherwise (no oneDNN, or an AVX2-only CPU); either way a cached bf16 forward stays within bf16 rounding
+    of float32's, row by row."""
     model = tiny_model(seed=3)
     half = tiny_model(seed=3).bfloat16()
     ids = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(1))

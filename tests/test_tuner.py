@@ -196,10 +196,10 @@ def test_same_seed_same_choices_and_different_seed_differs():
     assert choices(3, "ucb") == choices(4, "ucb")  # upper bounds draw nothing
 
 
-@pytest.mark.parametrize("explore_run", [1, 4])
+@pytest.mark.parametrize("explore_run,score", [(1, "median"), (4, "median"), (1, "mean")])
 @pytest.mark.parametrize("explore", ["cost", "uniform", "ucb"])
-def test_state_dict_round_trips_through_json_and_continues_identically(explore, explore_run):
-    config = TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, explore=explore, explore_run=explore_run)
+def test_state_dict_round_trips_through_json_and_continues_identically(explore, explore_run, score):
+    config = TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, explore=explore, explore_run=explore_run, score=score)
     original, rng = Tuner(config), random.Random(4)
     for b in (1, 8, 64):
         run(original, b, {**MEANS[b], "tree-d4-k2-v8": 1} if b == 1 else MEANS[b], 300, rng)

@@ -49,10 +49,9 @@ def synchronize(device) -> None:
 def slow_cpu_bf16() -> bool:
     """Whether bf16 products on this CPU take PyTorch's reference kernels: oneDNN has no bf16 products without
     AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (an AVX2-only CPU, such as AMD's Zen 3), nor does a build without
-    oneDNN. There a bf16-autocast forward and backward of the bench preset (tlt sft --preset bench) takes about
-    40x float32's time (51 s against 1.3 s over 256 tokens on 2 cores of a Zen 3 EPYC), and a bf16 product
-    of 9 rows 2.4x float32's, of 64 rows 4.6x."""
+    oneDNN. There a bf16-autocast forward and backward of the bench preset (tlt sft --preset bench) takes 44x
+    float32's time (53.4 s against 1.22 s over 256 tokens on 2 cores of a Zen 3 EPYC, scripts/train_step_cost.py),
+    and a bf16 forward of 9 tokens 2.4x float32's, one of 64 rows 4.5x (docs/results/roofline_random_large_zen3_*)."""
     from tlt.model.packed import ONEDNN_BF16
 
     return not ONEDNN_BF16
-

@@ -68,7 +68,12 @@ loaded.
 
 The reward of a step is accepted tokens per second (tokens emitted / step time). An arm's score is the
 median of the last `window` rewards it earned in that bucket: step times are heavy-tailed (a step
-that also prefills, an allocator pause), and a median shrugs them off where a mean would not.
+that also prefills, an allocator pause), and a median shrugs them off where a mean would not. A draft
+arm's tokens per step skew right, though (most steps take little of a draft, a few take most of it), and
+there the median ranks it below the tokens a second it decodes; `score="mean"` ranks (and reports) by the
+mean instead, which equals an arm's tokens a second where its steps at one batch size take about equal
+times, as a fixed arm's do. Under it everything below said of medians holds of means (the keys of
+`stats()` and the pruning records keep the name "median").
 
 Rows within a bucket (`row_slope`). A bucket spans a range of live batch sizes (65-128 rows at the start
 of a 16 x 8 rollout), and a step's tokens per second grow with its rows whatever the arm, while a
@@ -169,11 +174,11 @@ class TunerConfig:
                                        "batch-size bucket bounds, each bucket its own bandit")
     arms: tuple[str, ...] = setting(DEFAULT_ARMS, "the strategies it picks from, 'off' among them")
     epsilon: float = setting(0.1, "probability of an exploration draw (explore=cost or uniform)")
-    window: int = setting(300, "rewards per arm and bucket the score is the median of")
+    window: int = setting(300, "rewards per arm and bucket the score is the median (or mean) of")
     decay: float = setting(0.99, "weight of a reward per bucket step since it was earned (1: no forgetting)")
     seed: int | None = setting(0, "seed of the exploration draws")
     prune_after: int = setting(20, "rewards an arm and the best need before the arm can be pruned")
-    prune_ratio: float = setting(0.5, "an arm below this fraction of the best's median is pruned (0: never)")
+    prune_ratio: float = setting(0.5, "an arm below this fraction of the best's median (mean) is pruned (0: never)")
     explore: str = setting("ucb", "how exploration is chosen: ucb (an upper confidence bound; epsilon unused), cost "
                                   "(epsilon draws weighed by step time) or uniform (epsilon draws)")
     ucb: float = setting(1.0, "explore=ucb: the bound's width, in the bucket's spreads of log reward")
@@ -443,8 +448,8 @@ class Tuner:
 
     def _summary(self, bucket: _Bucket, arm: Strategy) -> tuple[float, float]:
         """(decayed, plain) median of the arm's rewards (means under score="mean"), moved along the bucket's row
-        slope to its smallest batch size; medians of log rewards, as the move is a shift in logs (exp of a log
-        median is the median)."""
+        slope to its smallest batch size, a shift in logs: medians of log rewards (exp of a log median is the
+        median), means of the shifted rewards."""
         if arm not in bucket.summaries:
             stamps = [s for s, _, _ in bucket.windows[arm]]
             if bucket.slope:
@@ -524,8 +529,8 @@ class Tuner:
     def stats(self) -> dict:
         """Per bucket (list index = bucket index): choice counts, explorations, window sizes, plain and
         decayed medians (means under score="mean"; the latter is what the greedy choice ranks; both as at the
-        bucket's smallest batch size, moved along its row slope), the slope, the greedy arm, and the pruned arms with why they were
-        pruned."""
+        bucket's smallest batch size, moved along its row slope), the slope, the greedy arm, and the pruned arms
+        with why they were pruned."""
         out = []
         for i, bucket in enumerate(self._buckets):
             tried = [a for a in self.arms if bucket.windows[a]]

@@ -380,6 +380,8 @@ def speedup(base, arms: tuple[str, ...], tuners: Sequence[str] = (), log=print) 
                "with": override(base, {"speculative": "adaptive", "tuner.arms": without + arms})}
     for text in tuners:
         tuner, keys = tuner_settings(text, "--tuner")
+        if "arms" in keys:
+            raise ConfigError(f"--tuner {text!r}: the arms are the run's own (--arms adds to them); set the others")
         name = f"with[{' '.join(text.split())}]"
         if name in configs:
             raise ConfigError(f"--tuner {text!r} is given twice")

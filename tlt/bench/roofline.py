@@ -118,7 +118,8 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
     out = {"bandwidth_gb_s": bandwidth}
     with torch.inference_mode():
         plain = {"plain": lambda x: [F.linear(x, w) for w in weights]}
-        if ONEDNN if dtype == torch.float32 else ONEDNN_BF16:  # no bf16 packing on an AVX2-only CPU
+        packs = ONEDNN_BF16 if dtype == torch.bfloat16 else ONEDNN  # no bf16 packing on an AVX2-only CPU
+        if packs:
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
             plain["onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
         kernels = cpu_kernels.kernels() if dtype == torch.bfloat16 else None

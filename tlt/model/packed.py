@@ -9,10 +9,11 @@ layout (`torch.ops.mkldnn._reorder_linear_weight`, multiplied by `_linear_pointw
 for M = 1..17 in bf16. Their one-row bf16 kernel streams 10-16 GB/s where a plain sum reads 27-39 GB/s,
 so the kernel, not the memory, bounds a one-token step (`tlt bench roofline` measures both). bf16
 weights therefore take tlt's own kernel (tlt/model/cpu_kernels.py: 25-30 GB/s at one row, as fast as
-oneDNN or faster up to 512 rows) where it runs, and oneDNN's otherwise.
+oneDNN or faster up to 512 rows) where it runs, and oneDNN's otherwise (where oneDNN packs bf16: below).
 
 Packing has a fixed cost of 10-20 us a call, so it pays only where the weight streams from memory:
-`should_pack` packs every bf16 weight (plain bf16 products are slower at every size measured) and float32
+`should_pack` packs every bf16 weight that oneDNN can pack (plain bf16 products are slower at every size
+measured) and float32
 weights of at least PACK_MIN_BYTES; smaller float32 weights (the default model's, inside L3) keep the
 column-major layout of tlt/model/layout.py, whose MKL products are the faster there.
 
@@ -35,7 +36,7 @@ from tlt.model.layout import laid_out
 PACK_MIN_BYTES = 1 << 20  # float32 weights smaller than this stay in MKL's column-major layout
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 ONE_ROW_PAD = 4  # rows a single bf16 row is multiplied as on oneDNN (`PackedLinear._padded`)
-KERNELS = True  # bf16 products on tlt's kernel where it runs (tests turn it off to take oneDNN's path)
+KERNELS = True  # bf16 products on tlt's kernel where it runs (tests turn it off to take the other paths)
 
 
 def _probe_onednn(dtype: torch.dtype) -> bool:
