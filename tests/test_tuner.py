@@ -499,3 +499,26 @@ def test_decayed_mean_weighs_recent_rewards_more():
     assert decayed_mean([0, 1, 2], [1.0, 2.0, 6.0], 0.5) == pytest.approx((0.25 + 1.0 + 6.0) / sum(weights))
     with pytest.raises(ConfigError, match="score"):
         TunerConfig(score="mode")
+
+
+def test_a_mean_score_prunes_by_the_window_mean():
+    """Pruning compares the plain window statistic the score uses: a draft arm earning 30 tok/s in four steps of five
+    and 250 in the fifth (mean 74) against plain decoding's 100 falls below half the best by its median and is
+    pruned there, not by its mean; the same holds with rows spread over the bucket (moved along its row slope)."""
+    def reward(rng, arm, rows):
+        scale = (rows / 33) ** 0.7
+        base = 100 if arm == "off" else 250 if rng.random() < 0.2 else 30
+        return noisy(rng, base * scale, 0.05)
+
+    for score, pruned in (("median", True), ("mean", False)):
+        config = TunerConfig(arms=("off", "tree-d4-k2-v8"), score=score, prune_after=40, explore="uniform", epsilon=0.5)
+        tuner, rng = Tuner(config), random.Random(3)  # epsilon draws: both arms earn rewards whatever their rank
+        for step in range(600):
+            rows = 33 + step % 32  # bucket 33-64
+            arm = tuner.choose(rows)
+            tuner.update(rows, arm, reward(rng, arm.name, rows))
+        stats = tuner.stats()["buckets"][tuner.bucket_of(33)]
+        assert ("tree-d4-k2-v8" in stats["pruned"]) == pruned, (score, stats)
+        assert stats["row_slope"] > 0.2  # fitted: 0.7 in both arms' rewards, noisily in the skewed arm's
+        if not pruned:  # the mean as at 33 rows (74 expected; a window of ~150 such rewards spreads it by ~10)
+            assert 50 < stats["median"]["tree-d4-k2-v8"] < 110
