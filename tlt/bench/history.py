@@ -14,7 +14,8 @@ run over `--problems` built-in problems (or the config's dataset) for `--epochs`
     drafter starts random and trains on the run's rollouts as drafter.train says, and the paired
     learned strategies draft with it as it learns (each row records its `drafter_version`).
   --measure speedup: two adaptive runs alternating step by step, the tuner's arms without and with the
-    suffix arms (`--arms`); both draw the same samples (target-only arms; `matching_steps` counts the
+    suffix arms (`--arms`), and one more with them per `--tuner 'KEY=VALUE ...'` (other tuner settings,
+    `rollout_speedup_by_tuner`); all draw the same samples (target-only arms; `matching_steps` counts the
     steps whose responses agree); `speedup_with_suffix_arms` is total rollout time without over with,
     with the whole-step ratio, the per-bucket arm choices of the run with the new arms, and per epoch, tuner
     bucket and arm, the tokens a second each run's arms earned where the tuner ran them.
@@ -376,17 +377,18 @@ def speedup(base, arms: tuple[str, ...], tuners: Sequence[str] = (), log=print) 
     if not arms:
         raise ConfigError("--arms must name at least one arm to add")
     without = tuple(a for a in base.tuner.arms if a not in arms)
-    configs = {"without": override(base, {"speculative": "adaptive", "tuner.arms": without}),
-               "with": override(base, {"speculative": "adaptive", "tuner.arms": without + arms})}
+    settings = {"with": {}}  # run name -> its tuner settings beside the arms
     for text in tuners:
         tuner, keys = tuner_settings(text, "--tuner")
         if "arms" in keys:
             raise ConfigError(f"--tuner {text!r}: the arms are the run's own (--arms adds to them); set the others")
         name = f"with[{' '.join(text.split())}]"
-        if name in configs:
+        if name in settings:
             raise ConfigError(f"--tuner {text!r} is given twice")
-        configs[name] = override(base, {"speculative": "adaptive", "tuner.arms": without + arms,
-                                        **{f"tuner.{key}": getattr(tuner, key) for key in keys}})
+        settings[name] = {f"tuner.{key}": getattr(tuner, key) for key in keys}
+    configs = {"without": override(base, {"speculative": "adaptive", "tuner.arms": without}),
+               **{name: override(base, {"speculative": "adaptive", "tuner.arms": without + arms, **tuned})
+                  for name, tuned in settings.items()}}
     trainers = {name: GRPOTrainer(c, log=lambda *_: None) for name, c in configs.items()}
     log(f"{base.model}: {base.train_problems} problems x {base.group_size} samples, {base.steps} steps; tuner arms "
         f"{','.join(without)} vs + {','.join(arms)}, alternating step by step")

@@ -215,11 +215,6 @@ class Calibration:
     def key(count: int, mass: int, matched: int) -> tuple[int, int, int]:
         return min(count, CALIBRATION_CAP), min(mass - count, CALIBRATION_CAP), match_bucket(matched)
 
-    def probability(self, count: int, mass: int, matched: int) -> float:
-        """The estimated acceptance of a continuation seen `count` times of `mass` after a context of
-        `matched` tokens."""
-        return self.estimate(self.key(count, mass, matched), count / mass)
-
     def estimate(self, key: tuple[int, int, int], frequency: float) -> float:
         """The estimate of `key` (`Calibration.key`) for a continuation of raw `frequency`."""
         prior = self.counts_estimate(key, frequency)
@@ -327,8 +322,8 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
                 if w > entry[1][0]:
                     entry[1] = (w, src, child)
         weighed = candidates.setdefault(node, {}) if candidates is not None else None
-        context = max(m for _, _, m in views)  # the longest matched context the continuations follow
         keyed = weighed is not None or calibration is not None
+        context = max(m for _, _, m in views) if keyed else 0  # the longest matched context the continuations follow
         for tok, (p, (_, src, child), count) in merged.items():
             order += 1
             if keyed:
