@@ -82,6 +82,21 @@ def test_build_runs_policy_then_drafter_and_is_reused_while_the_recipe_matches(c
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 6
 
 
+def test_the_recipe_records_the_precision_the_policy_trains_in_here(cache, monkeypatch):
+    """A policy trained in float32 (no bf16 products on this CPU) is another build than one under bf16 autocast."""
+    import tlt.device
+
+    monkeypatch.setattr(tlt.device, "slow_cpu_bf16", lambda: False)
+    fast = bench_model.recipe()
+    assert fast["policy_autocast"] is True
+    assert bench_model.build(run=fake_runner([]), log=lambda *_: None) and bench_model.is_current(cache)
+    monkeypatch.setattr(tlt.device, "slow_cpu_bf16", lambda: True)
+    assert bench_model.recipe()["policy_autocast"] is False and not bench_model.is_current(cache)
+    assert bench_model.stage_hash(bench_model.recipe(), "policy") != bench_model.stage_hash(fast, "policy")
+    with pytest.raises(CheckpointError, match="another recipe"):
+        resolve_model_path("bench")
+
+
 def test_a_changed_drafter_command_keeps_the_policy_and_a_changed_policy_rebuilds_all(cache, monkeypatch):
     calls = []
     assert bench_model.build(run=fake_runner(calls), log=lambda *_: None) and len(calls) == 3

@@ -74,15 +74,19 @@ def cache_folder() -> Path:
 
 
 def recipe() -> dict:
-    """Everything the build depends on: the SFT preset, the weights it grows from, the task's fields and
-    the commands."""
+    """Everything the build depends on: the SFT preset, the precision its training runs in on this CPU, the
+    weights it grows from, the task's fields and the commands."""
+    from tlt.device import slow_cpu_bf16
     from tlt.model.checkpoint import resolve_model_path
     from tlt.sft import PRESETS
     from tlt.tasks import NAMED_TASKS
 
     preset = PRESETS["bench"]
     weights = resolve_model_path(preset["init"]) / "model.safetensors"
-    return {"sft_preset": preset, "task": list(NAMED_TASKS["bench"]),
+    # `tlt sft` trains in float32 where bf16 autocast has no bf16 products (AVX2 only): another policy, so another
+    # build, and a cache copied between such machines is rebuilt rather than taken for the other's.
+    autocast = bool(preset.get("autocast")) and not slow_cpu_bf16()
+    return {"sft_preset": preset, "policy_autocast": autocast, "task": list(NAMED_TASKS["bench"]),
             "init_weights": hashlib.sha256(weights.read_bytes()).hexdigest()[:16],
             "commands": {name: ["tlt", *args] for name, args in COMMANDS}}
 
