@@ -196,10 +196,12 @@ def test_same_seed_same_choices_and_different_seed_differs():
     assert choices(3, "ucb") == choices(4, "ucb")  # upper bounds draw nothing
 
 
-@pytest.mark.parametrize("explore_run,score", [(1, "median"), (4, "median"), (1, "mean")])
+@pytest.mark.parametrize("explore_run,score,spread", [(1, "median", "bucket"), (4, "median", "bucket"),
+                                                      (1, "mean", "bucket"), (1, "median", "arm")])
 @pytest.mark.parametrize("explore", ["cost", "uniform", "ucb"])
-def test_state_dict_round_trips_through_json_and_continues_identically(explore, explore_run, score):
-    config = TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, explore=explore, explore_run=explore_run, score=score)
+def test_state_dict_round_trips_through_json_and_continues_identically(explore, explore_run, score, spread):
+    config = TunerConfig(arms=ARMS, epsilon=0.3, prune_after=5, explore=explore, explore_run=explore_run, score=score,
+                         spread=spread)
     original, rng = Tuner(config), random.Random(4)
     for b in (1, 8, 64):
         run(original, b, {**MEANS[b], "tree-d4-k2-v8": 1} if b == 1 else MEANS[b], 300, rng)
@@ -365,7 +367,7 @@ def test_update_rejects_bad_input():
     ("arms", ("chain-d3",)), ("arms", ("off", "off")), ("epsilon", 1.5), ("epsilon", -0.1),
     ("window", 0), ("window", 2.5), ("decay", 0.0), ("decay", 1.2), ("decay", float("nan")),
     ("seed", "x"), ("seed", True), ("prune_after", 0), ("prune_ratio", 1.0), ("prune_ratio", -0.5),
-    ("explore", "greedy"), ("row_slope", "yes"), ("row_slope", 1), ("ucb", -1.0), ("ucb", float("inf")),
+    ("explore", "greedy"), ("spread", "pooled"), ("row_slope", "yes"), ("row_slope", 1), ("ucb", -1.0), ("ucb", float("inf")),
 ])
 def test_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises(ConfigError, match=field):
@@ -522,3 +524,33 @@ def test_a_mean_score_prunes_by_the_window_mean():
         assert stats["row_slope"] > 0.2  # fitted: 0.7 in both arms' rewards, noisily in the skewed arm's
         if not pruned:  # the mean as at 33 rows (74 expected; a window of ~150 such rewards spreads it by ~10)
             assert 50 < stats["median"]["tree-d4-k2-v8"] < 110
+
+
+def test_an_arm_spread_measures_a_noisy_rival_again_after_a_poor_draw():
+    """A suffix arm lost while it had no history (60 tok/s against plain decoding's steady 100), is forgotten, and
+    now earns 130 tok/s with a wide spread (sigma 0.5 in log reward against plain decoding's 0.1). Under the bucket's
+    spread, which plain decoding's many rewards set, one poor draw keeps it out of most of the next 150 steps in a
+    third of the streams; its own spread widens its bound from its second reward, and it is measured again soon."""
+    arms, suffix = ("off", "suffix-d8-v16"), S("suffix-d8-v16")
+    kept_out = {}
+    for spread in ("bucket", "arm"):
+        kept_out[spread] = 0
+        for seed in range(40):
+            tuner, rng = Tuner(TunerConfig(arms=arms, spread=spread)), random.Random(seed)
+            for history in (False, True):
+                if history:
+                    tuner.forget([suffix])
+                choices = []
+                for _ in range(150 if history else 300):
+                    arm = tuner.choose(12)
+                    mean, sigma = (100, 0.1) if arm.kind == "off" else (130, 0.5) if history else (60, 0.1)
+                    tuner.update(12, arm, noisy(rng, mean, sigma))
+                    choices.append(arm)
+            kept_out[spread] += choices.count(suffix) < 75
+        if spread == "arm":
+            bucket = tuner.stats()["buckets"][tuner.bucket_of(12)]
+            assert bucket["arm_spread"]["suffix-d8-v16"] > 2 * bucket["arm_spread"]["off"]
+            assert 0.05 < bucket["arm_spread"]["off"] < 0.2  # its sigma, 0.1
+        else:
+            assert "arm_spread" not in tuner.stats()["buckets"][0]
+    assert kept_out["bucket"] >= 8 and kept_out["arm"] <= 3, kept_out

@@ -18,7 +18,8 @@ Inside a bucket, `choose` runs:
    log score + ucb x spread x sqrt(ln n / n_arm), where n_arm is the decayed weight of the arm's rewards
    (their count when decay = 1), n the candidates' together, and spread the bucket's robust spread of one
    step's log reward about its arm's median (1.4826 x the median absolute deviation, refitted with the row
-   slope); `epsilon` is unused. With `explore="cost"` or `"uniform"`, with probability `epsilon` /
+   slope); under `spread="arm"` the larger of that and the arm's own spread (as UCB1-Tuned scales each
+   arm's bound by its own variance; "Spreads" below); `epsilon` is unused. With `explore="cost"` or `"uniform"`, with probability `epsilon` /
    `explore_run` an exploration draw: a uniformly random arm (the greedy one included); under "cost" a
    drawn arm whose steps take longer than the greedy arm's runs only with probability seconds(greedy) /
    seconds(arm), the median step times of the two in the bucket, and the step is greedy otherwise; under
@@ -42,6 +43,17 @@ pooled 1.91x against 1.93x (bench_rollout_onepass_masks*.json); with attention t
 1.88x (bench_rollout_attention_ahead*.json). At 17-32 rows the bounds ran plain decoding 3-4 times a rollout where
 epsilon draws did 17-22 times, and the shallow tree-d4-k1-v4 11-67 times where epsilon draws ran it 175-409 times in
 three runs of four.
+
+Spreads (`spread`). The bucket's spread pools every arm's rewards, so the arm with the most of them, the
+greedy one, sets it, and a draft arm's steps vary far more than plain decoding's (default policy, 16 x 8
+rollout on a Zen 3: at one live row 0.06 in log reward for plain decoding against 0.37-0.77 for the draft
+arms, 0.37-0.59 for the suffix arm in every bucket it ran). A noisy rival's bound is then as narrow as a
+steady arm's: after one poor draw it waits until that reward's weight has decayed, and again after every
+poor draw. With `spread="arm"` its own spread widens its bound once it has two rewards, so it is measured
+again soon and judged on several (synthetic streams: a suffix arm 30% faster than plain decoding but
+noisy, forgotten and re-measured, was kept out of most of the next 150 steps in 13 of 40 streams under
+the bucket's spread, in 2 of 40 under its own); a noisy arm that is worse is measured more often too.
+"bucket" stays the default: "arm" has not yet been measured on the bench policy.
 
 Runs, and the step after a switch (`explore_run`). What a step earns depends on the arm before it: a
 step starts where the previous one's accepted path ended, and a deep tree run step after step settles
@@ -164,6 +176,7 @@ DEFAULT_ARMS = ("off", "ngram-d4", "tree-d4-k1-v4", "tree-d4-k2-v8", "tree-d8-k2
 STATE_VERSION = 4  # version 1 holds no step times, 1-2 no batch sizes, 1-3 no runs; all load without them
 EXPLORE = ("cost", "uniform", "ucb")
 SCORES = ("median", "mean")
+SPREADS = ("bucket", "arm")
 STEP_TIMES = 16  # step times kept per arm and bucket for explore="cost"
 SLOPE_EVERY = 32  # rewards a bucket records between fits of its row slope (a fit reads every window)
 
@@ -187,6 +200,8 @@ class TunerConfig:
     explore_run: int = setting(1, "steps an exploration draw (or an untried arm) keeps its arm; the step after a "
                                   "switch of arms is not scored (1: single exploration steps, every step scored)")
     score: str = setting("median", "what ranks an arm's window of rewards: median or mean (both decayed)")
+    spread: str = setting("bucket", "explore=ucb: the spread an arm's bound is scaled by: the bucket's (pooled over its "
+                                    "arms) or, with arm, the larger of that and the arm's own")
 
     def __post_init__(self) -> None:
         for name in ("buckets", "arms"):
@@ -222,6 +237,7 @@ class TunerConfig:
         check(self, "row_slope", isinstance(self.row_slope, bool), "true or false")
         check_int(self, "explore_run", 1)
         check_choice(self, "score", SCORES)
+        check_choice(self, "spread", SPREADS)
 
 
 def _check_measure(name: str, value) -> None:
@@ -257,6 +273,14 @@ def decayed_mean(stamps: Sequence[int], values: Sequence[float], decay: float) -
     return math.fsum(w * v for w, v in zip(weights, values)) / math.fsum(weights)
 
 
+def _deviations(values: Sequence[float]) -> list[float]:
+    """Absolute deviations of `values` from their median; none for fewer than two values."""
+    if len(values) < 2:
+        return []
+    middle = statistics.median(values)
+    return [abs(v - middle) for v in values]
+
+
 def _log(x: float) -> float:
     return math.log(x) if x > 0 else -math.inf
 
@@ -290,7 +314,8 @@ class _Bucket:
         self.logs = {a: deque(maxlen=window) for a in arms}  # arm -> (log reward, log rows or None), as windows
         self.pruned: dict[Strategy, dict] = {}
         self.seconds = {a: deque(maxlen=STEP_TIMES) for a in arms}  # arm -> recent step times
-        self.summaries: dict[Strategy, tuple[float, float]] = {}  # arm -> (score, median); dropped when its window changes
+        # arm -> (score, median, own spread); dropped when its window changes
+        self.summaries: dict[Strategy, tuple[float, float, float]] = {}
         self.weights: dict[Strategy, float] = {}  # arm -> sum of decay ** (newest stamp - stamp); as summaries
         self.run: tuple[Strategy, int] | None = None  # the arm of a run under way and its steps still to come (>= 1)
         self.last: Strategy | None = None  # the arm of the bucket's last step
@@ -372,10 +397,13 @@ class Tuner:
         greedy = self._greedy(bucket, candidates)
         weights = {a: self._weight(bucket, a) for a in candidates}
         total = sum(weights.values())
-        width = self.config.ucb * bucket.spread * math.sqrt(max(0.0, math.log(total)))
+        width = self.config.ucb * math.sqrt(max(0.0, math.log(total)))
 
         def upper(arm: Strategy) -> float:  # an arm whose weight has decayed to nothing is as if untried
-            return _log(self._score(bucket, arm)) + width / math.sqrt(weights[arm]) if weights[arm] > 0 else math.inf
+            if weights[arm] <= 0:
+                return math.inf
+            spread = max(bucket.spread, self._summary(bucket, arm)[2]) if self.config.spread == "arm" else bucket.spread
+            return _log(self._score(bucket, arm)) + width * spread / math.sqrt(weights[arm])
 
         best = max(candidates, key=upper)  # max keeps the first of equal bounds
         if upper(best) <= upper(greedy):
@@ -423,13 +451,17 @@ class Tuner:
         """The bucket's robust spread of log rewards within an arm: 1.4826 x the median absolute deviation of
         every (slope-adjusted) log reward from its arm's median, over arms with two rewards or more (0 with
         none). Rewards of 0 do not count."""
-        deviations, base = [], math.log(bucket.low)
+        deviations = []
         for arm in self.arms:
-            values = [y if x is None else y - bucket.slope * (x - base) for y, x in bucket.logs[arm] if y > -math.inf]
-            if len(values) >= 2:
-                middle = statistics.median(values)
-                deviations += [abs(v - middle) for v in values]
+            deviations += _deviations([v for v in self._adjusted(bucket, arm) if v > -math.inf])
         return 1.4826 * statistics.median(deviations) if deviations else 0.0
+
+    def _adjusted(self, bucket: _Bucket, arm: Strategy) -> list[float]:
+        """The arm's log rewards in window order, moved along the bucket's row slope to its smallest batch size."""
+        if not bucket.slope:
+            return [y for y, _ in bucket.logs[arm]]
+        slope, base = bucket.slope, math.log(bucket.low)
+        return [y if x is None else y - slope * (x - base) for y, x in bucket.logs[arm]]
 
     def best(self, batch_size: int) -> Strategy | None:
         """The greedy arm of the bucket (unpruned, with rewards), or None before any reward arrives."""
@@ -446,23 +478,24 @@ class Tuner:
         """Plain median (or mean) of the window (what pruning compares)."""
         return self._summary(bucket, arm)[1]
 
-    def _summary(self, bucket: _Bucket, arm: Strategy) -> tuple[float, float]:
+    def _summary(self, bucket: _Bucket, arm: Strategy) -> tuple[float, float, float]:
         """(decayed, plain) median of the arm's rewards (means under score="mean"), moved along the bucket's row
         slope to its smallest batch size, a shift in logs: medians of log rewards (exp of a log median is the
-        median), means of the shifted rewards."""
+        median), means of the shifted rewards; and under spread="arm" the arm's own robust spread of log rewards
+        (as the bucket's, over its rewards alone; 0 below two), else 0."""
         if arm not in bucket.summaries:
             stamps = [s for s, _, _ in bucket.windows[arm]]
-            if bucket.slope:
-                slope, base = bucket.slope, math.log(bucket.low)
-                values = [y if x is None else y - slope * (x - base) for y, x in bucket.logs[arm]]
-            else:
-                values = [y for y, _ in bucket.logs[arm]]
+            values = self._adjusted(bucket, arm)
+            own = 0.0
+            if self.config.spread == "arm":
+                deviations = _deviations([v for v in values if v > -math.inf])
+                own = 1.4826 * statistics.median(deviations) if deviations else 0.0
             if self.config.score == "mean":
                 rewards = [math.exp(v) for v in values]
-                bucket.summaries[arm] = (decayed_mean(stamps, rewards, self.config.decay), statistics.fmean(rewards))
+                bucket.summaries[arm] = (decayed_mean(stamps, rewards, self.config.decay), statistics.fmean(rewards), own)
             else:
                 bucket.summaries[arm] = (math.exp(decayed_median(stamps, values, self.config.decay)),
-                                         math.exp(statistics.median(values)))
+                                         math.exp(statistics.median(values)), own)
         return bucket.summaries[arm]
 
     def _greedy(self, bucket: _Bucket, arms: list[Strategy]) -> Strategy:
@@ -545,6 +578,8 @@ class Tuner:
                 "score": {a.name: self._score(bucket, a) for a in tried},
                 "row_slope": bucket.slope,
                 "spread": bucket.spread,
+                **({"arm_spread": {a.name: self._summary(bucket, a)[2] for a in tried}}
+                   if self.config.spread == "arm" else {}),
                 "best": best.name if best is not None else None,
                 "pruned": {a.name: dict(r) for a, r in bucket.pruned.items()},
             })
