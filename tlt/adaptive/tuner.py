@@ -45,15 +45,16 @@ epsilon draws did 17-22 times, and the shallow tree-d4-k1-v4 11-67 times where e
 three runs of four.
 
 Spreads (`spread`). The bucket's spread pools every arm's rewards, so the arm with the most of them, the
-greedy one, sets it, and a draft arm's steps vary far more than plain decoding's (default policy, 16 x 8
-rollout on a Zen 3: at one live row 0.06 in log reward for plain decoding against 0.37-0.77 for the draft
-arms, 0.37-0.59 for the suffix arm in every bucket it ran). A noisy rival's bound is then as narrow as a
-steady arm's: after one poor draw it waits until that reward's weight has decayed, and again after every
+greedy one, sets it, and a draft arm's steps often vary more than plain decoding's (default policy, 16 x 8
+rollout on a Zen 3, docs/results/bench_rollout_default_spread_arm_zen3.json: at one live row a spread of 0.18
+in log reward for plain decoding against 0.23-1.09 for the draft arms). A noisy rival's bound is then as
+narrow as a steady arm's: after one poor draw it waits until that reward's weight has decayed, and again after every
 poor draw. With `spread="arm"` its own spread widens its bound once it has two rewards, so it is measured
 again soon and judged on several (synthetic streams: a suffix arm 30% faster than plain decoding but
 noisy, forgotten and re-measured, was kept out of most of the next 150 steps in 13 of 40 streams under
 the bucket's spread, in 2 of 40 under its own); a noisy arm that is worse is measured more often too.
-"bucket" stays the default: "arm" has not yet been measured on the bench policy.
+"bucket" stays the default: "arm" has been measured on the default policy only (docs/results/README.md,
+"Scaling each arm's bound by its own spread").
 
 Runs, and the step after a switch (`explore_run`). What a step earns depends on the arm before it: a
 step starts where the previous one's accepted path ended, and a deep tree run step after step settles
