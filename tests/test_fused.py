@@ -6,21 +6,25 @@ import pytest
 import torch
 
 import tlt.model.packed as packed
-from tlt.model import cpu_kernels
+from tlt.model import cpu_f32, cpu_kernels
 from tlt.model.fused import fused_layer_step, uses_fused_step
 from tlt.model.transformer import attention_mask_for
 
 # How the products of the tiny test models run: as the default model's (column-major MKL weights in
 # float32, tlt's bf16 kernel in bf16), on weights prepacked for oneDNN (forced: the tiny weights are
-# below PACK_MIN_BYTES; bf16 without the kernel), and as on a CPU build without oneDNN or the kernel.
-PACKINGS = {"column-major": {}, "packed": {"PACK_MIN_BYTES": 0, "KERNELS": False},
+# below PACK_MIN_BYTES; bf16 without the kernel), on tlt's float32 kernel (forced, as a large float32 model's on
+# a CPU without AVX-512), and as on a CPU build without oneDNN or the kernels.
+PACKINGS = {"column-major": {}, "packed": {"PACK_MIN_BYTES": 0, "KERNELS": False, "F32_KERNEL": False},
+            "float32 kernel": {"PACK_MIN_BYTES": 0, "F32_KERNEL": True},
             "no oneDNN": {"ONEDNN": False, "PACK_MIN_BYTES": 0, "KERNELS": False}}
 
 
 @pytest.fixture(params=PACKINGS)
 def packing(request, monkeypatch):
-    if request.param == "packed" and not packed.ONEDNN:
+    if request.param in ("packed", "float32 kernel") and not packed.ONEDNN:
         pytest.skip("this PyTorch build has no oneDNN")
+    if request.param == "float32 kernel" and cpu_f32.kernels() is None:
+        pytest.skip("tlt's float32 CPU kernel does not run here (no AVX2 and FMA, or no compiler)")
     for name, value in PACKINGS[request.param].items():
         monkeypatch.setattr(packed, name, value)
     return request.param
@@ -49,7 +53,9 @@ def fused(layer, *args):
 def test_fused_step_equals_reference_layer(tiny_model, variant, packing):
     model = tiny_model(seed=2, **VARIANTS[variant])
     layer = model.model.layers[1]
-    assert layer.fused_weights().qkv.packed == (packing == "packed")
+    qkv = layer.fused_weights().qkv
+    assert qkv.packed == (packing in ("packed", "float32 kernel"))
+    assert (qkv.f32_kernel is not None) == (packing == "float32 kernel")
     H = model.config.hidden_size
     torch.manual_seed(0)
     # Training forward: causal over 7 tokens, no cache.
@@ -144,7 +150,8 @@ def test_bf16_fused_step_within_bf16_rounding_of_float32(tiny_model, packing):
         rest = half(ids[:, 8:], cache=cache).logits  # 4 new tokens after 8 cached ones
     qkv = half.model.layers[0].fused_weights().qkv
     assert qkv.packed == (qkv.kernels is not None or (packing != "no oneDNN" and packed.ONEDNN_BF16))
-    assert (qkv.kernels is not None) == (packing == "column-major" and cpu_kernels.kernels() is not None)
+    bf16_kernels = packing in ("column-major", "float32 kernel") and cpu_kernels.kernels() is not None
+    assert (qkv.kernels is not None) == bf16_kernels and qkv.f32_kernel is None
     # bf16 keys and values are cached in bf16 where the kernels run, in float32 for the operator path
     assert cache.dtype == (torch.bfloat16 if qkv.kernels is not None else torch.float32)
     got = torch.cat([prefill, rest], 1).float()
@@ -226,25 +233,29 @@ def test_a_deep_copy_prepares_weights_from_its_own_parameters(tiny_model, packin
     assert torch.equal(no_grad_logits(model, ids), before)
 
 
-@pytest.mark.parametrize("dtype,kernels", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,kernels", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                           (torch.bfloat16, True)])
 def test_packed_rows_do_not_depend_on_how_many_rows_are_multiplied(dtype, kernels, monkeypatch):
-    """In bf16 a verification forward's row equals the one-token step's bit for bit (the greedy and
-    seeded equality of bf16 speculative and plain decoding rest on it), whatever kernel oneDNN picks
-    for the row count, the single row's padding included; in float32 oneDNN's kernels for different row
-    counts round differently, within float32 rounding. 3-D inputs take the same 2-D path."""
+    """In bf16, and in float32 on tlt's float32 kernel, a verification forward's row equals the one-token step's
+    bit for bit (the greedy and seeded equality of speculative and plain decoding rest on it), whatever kernel
+    oneDNN picks for the row count, the single row's padding included; in float32 oneDNN's kernels for different
+    row counts round differently, within float32 rounding. 3-D inputs take the same 2-D path."""
     if not packed.ONEDNN:
         pytest.skip("this PyTorch build has no oneDNN")
-    if kernels and cpu_kernels.kernels() is None:
-        pytest.skip("tlt's bf16 CPU kernels do not run here")
+    if kernels and (cpu_kernels if dtype == torch.bfloat16 else cpu_f32).kernels() is None:
+        pytest.skip(f"tlt's {dtype} CPU kernels do not run here")
     monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
     monkeypatch.setattr(packed, "KERNELS", kernels)
+    monkeypatch.setattr(packed, "F32_KERNEL", kernels)
     gen = torch.Generator().manual_seed(0)
     linear = packed.PackedLinear(torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype))
     # an AVX2-only CPU's oneDNN packs no bf16: the weight stays plain and PyTorch's bf16 product must keep rows apart
     assert linear.packed == (kernels or dtype == torch.float32 or packed.ONEDNN_BF16)
-    assert (linear.kernels is not None) == kernels
+    assert (linear.kernels is not None) == (kernels and dtype == torch.bfloat16)
+    assert (linear.f32_kernel is not None) == (kernels and dtype == torch.float32)
     x, residual = torch.randn(17, 64, generator=gen).to(dtype), torch.randn(17, 96, generator=gen).to(dtype)
-    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    exact = dtype == torch.bfloat16 or kernels
+    same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     for m in (1, 4, 9, 17):
         assert same(linear(x[:m])[0], linear(x)[0])
         assert same(linear.add(residual[:m], x[:m])[0], linear.add(residual, x)[0])

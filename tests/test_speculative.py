@@ -208,17 +208,47 @@ def test_sampling_is_exact(kind, strategy, temperature, top_k, top_p):
         assert spec.stats()["acceptance_length"] > 1.0  # drafts were really accepted, not just rejected
 
 
-@pytest.mark.parametrize("kind,strategy,temperature,top_k,top_p", [SETTINGS[0], SETTINGS[3]])
-def test_sampling_is_exact_on_prepacked_weights(monkeypatch, kind, strategy, temperature, top_k, top_p):
-    """The chi-square test with every product of target and drafter on prepacked oneDNN weights (the
-    tiny weights are below the size where packing is chosen, so it is forced)."""
+def float32_kernel(monkeypatch, on: bool) -> None:
+    """Every float32 product on prepacked weights (forced: the tiny weights are below the size where packing is
+    chosen): tlt's float32 kernel with `on`, oneDNN's without."""
     import tlt.model.packed as packed
+    from tlt.model import cpu_f32
 
     if not packed.ONEDNN:
         pytest.skip("this PyTorch build has no oneDNN")
+    if on and cpu_f32.kernels() is None:
+        pytest.skip("tlt's float32 CPU kernel does not run here")
     monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(packed, "F32_KERNEL", on)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["onednn", "float32 kernel"])
+@pytest.mark.parametrize("kind,strategy,temperature,top_k,top_p", [SETTINGS[0], SETTINGS[3]])
+def test_sampling_is_exact_on_prepacked_weights(monkeypatch, kind, strategy, temperature, top_k, top_p, on):
+    """The chi-square test with every product of target and drafter on prepacked weights."""
+    float32_kernel(monkeypatch, on)
     test_sampling_is_exact(kind, strategy, temperature, top_k, top_p)
-    assert random_target(vocab=VOCAB).model.layers[0].fused_weights().qkv.packed
+    qkv = random_target(vocab=VOCAB).model.layers[0].fused_weights().qkv
+    assert qkv.packed and (qkv.f32_kernel is not None) == on
+
+
+@pytest.mark.parametrize("strategy", ["chain-d3", "tree-d4-k3-v10", "ngram-d4"])
+def test_speculative_equals_plain_on_the_float32_kernel(monkeypatch, strategy):
+    """On tlt's float32 kernel a verification's rows are the one-token steps' bit for bit, so greedy and seeded
+    speculative decoding (target-only arms) give plain decoding's tokens, as on a CPU without AVX-512."""
+    float32_kernel(monkeypatch, True)
+    target = random_target(seed=4, scale=0.6)
+    prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
+    drafter = Drafter.from_target(target, seed=5)
+    settings = [tlt.SamplingParams(n=2, temperature=0, max_tokens=48, ignore_eos=True)]
+    if strategy != "chain-d3":  # chains with speculative sampling keep the distribution, not the samples
+        settings.append(tlt.SamplingParams(n=4, temperature=1.0, max_tokens=30, seed=11, ignore_eos=True))
+    for params in settings:
+        plain = tlt.RolloutEngine(target).generate(prompts, params)
+        spec = engine(target, strategy, drafter)
+        assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
+        assert spec.stats()["acceptance_length"] >= 1.0
+    assert target.model.layers[0].fused_weights().qkv.f32_kernel is not None
 
 
 def test_chi_square_catches_a_biased_verifier(monkeypatch):

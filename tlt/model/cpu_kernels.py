@@ -66,25 +66,32 @@ def _load():
     if not _cpu_has_bf16():
         _reason = "this CPU has no AVX-512 BF16"
         return None
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    name = f"tlt_cpu_bf16_{digest}"
-    module = _built(cpp_extension, name)
-    try:
-        if module is None:
-            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                                        extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # a missing compiler or ninja, a failed build: the reason is reported
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
-        _reason = f"building {SOURCE} failed ({type(exc).__name__}: {first_error.strip()[:300]})"
+    module, _reason = compiled(SOURCE, "tlt_cpu_bf16")
+    if module is None:
         return None
     if not module.supported():
         _reason = "this CPU has no AVX-512 BF16"
         return None
     _module = module
     return module
+
+
+def compiled(source: Path, prefix: str):
+    """(the extension built from `source`, None), or (None, why it could not be built). Its name is `prefix` and
+    the source's hash, so a changed source is rebuilt."""
+    from torch.utils import cpp_extension
+
+    name = f"{prefix}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    module = _built(cpp_extension, name)
+    try:
+        if module is None:
+            module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],
+                                        extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a failed build: the reason is reported
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
+        return None, f"building {source} failed ({type(exc).__name__}: {first_error.strip()[:300]})"
+    return module, None
 
 
 def _built(cpp_extension, name: str):

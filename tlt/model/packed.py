@@ -10,6 +10,8 @@ for M = 1..17 in bf16. Their one-row bf16 kernel streams 10-16 GB/s where a plai
 so the kernel, not the memory, bounds a one-token step (`tlt bench roofline` measures both). bf16
 weights therefore take tlt's own kernel (tlt/model/cpu_kernels.py: 25-30 GB/s at one row, as fast as
 oneDNN or faster up to 512 rows) where it runs, and oneDNN's otherwise (where oneDNN packs bf16: below).
+On CPUs without AVX-512 (float32 is their decode dtype) large float32 weights take tlt's AVX2 kernel
+(tlt/model/cpu_f32.py): oneDNN's float32 products there cost about twice as much at 2-9 rows as at one.
 
 Packing has a fixed cost of 10-20 us a call, so it pays only where the weight streams from memory:
 `should_pack` packs every bf16 weight that oneDNN can pack (plain bf16 products are slower at every size
@@ -30,13 +32,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tlt.model import cpu_kernels
+from tlt.model import cpu_f32, cpu_kernels
 from tlt.model.layout import laid_out
 
 PACK_MIN_BYTES = 1 << 20  # float32 weights smaller than this stay in MKL's column-major layout
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 ONE_ROW_PAD = 4  # rows a single bf16 row is multiplied as on oneDNN (`PackedLinear._padded`)
 KERNELS = True  # bf16 products on tlt's kernel where it runs (tests turn it off to take the other paths)
+F32_KERNEL = cpu_f32.preferred()  # large float32 weights on tlt's AVX2 kernel: CPUs without AVX-512 (tests force it)
 
 
 def _probe_onednn(dtype: torch.dtype) -> bool:
@@ -73,6 +76,14 @@ def kernels_for(weight: torch.Tensor):
     return cpu_kernels.kernels()
 
 
+def f32_kernel_for(weight: torch.Tensor):
+    """tlt's float32 kernel (cpu_f32) for products with `weight` [out, in], or None: it takes the float32 weights
+    that would be packed for oneDNN, on CPUs without AVX-512 (F32_KERNEL)."""
+    if not (KERNELS and F32_KERNEL) or weight.dtype != torch.float32 or not should_pack(weight):
+        return None
+    return cpu_f32.kernels()
+
+
 class PackedLinear:
     """x @ weight^T + bias for inference, on a weight prepacked once when `should_pack` says it pays.
     A packed weight is a copy, a plain one may be a view of the parameter: either way the owner rebuilds
@@ -84,9 +95,13 @@ class PackedLinear:
         weight, bias = weight.detach(), None if bias is None else bias.detach()
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels_for(weight)
+        self.f32_kernel = f32_kernel_for(weight)
         self.packed = self.kernels is not None or should_pack(weight)
         self.scales = None  # of 4-bit weights
-        if self.kernels is not None and bits == 4:
+        if self.f32_kernel is not None:
+            self.weight, self.weight_t = cpu_f32.pack(weight), None
+            bias = None if bias is None else bias.float().contiguous()
+        elif self.kernels is not None and bits == 4:
             (self.weight, self.scales), self.weight_t = cpu_kernels.pack4(weight), None
             bias = None if bias is None else bias.float().contiguous()
         elif self.kernels is not None:
@@ -107,6 +122,9 @@ class PackedLinear:
             rows = _rows(x.reshape(-1, self.in_features))
             out = self.kernels.linear(rows, self.weight, self.out_features, self.bias, None, self.scales)
             return out.view(*x.shape[:-1], self.out_features)
+        if self.f32_kernel is not None:
+            out = self.f32_kernel.linear(_rows(x.reshape(-1, self.in_features)), self.weight, self.out_features, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)  # always 2-D: one oneDNN primitive kind, row results independent of M
@@ -118,6 +136,8 @@ class PackedLinear:
         inside the product."""
         if self.kernels is not None:
             return self.kernels.linear(_rows(x), self.weight, self.out_features, self.bias, _rows(residual), self.scales)
+        if self.f32_kernel is not None:
+            return self.f32_kernel.linear(_rows(x), self.weight, self.out_features, self.bias, _rows(residual))
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(self._padded(x), self._padded(residual), self.weight, self.bias, "add")
             return out[: x.shape[0]]

@@ -1,0 +1,90 @@
+"""tlt's float32 CPU kernel (tlt/model/cpu_f32.py): products against PyTorch's on uneven shapes, rows that do not
+depend on how many are multiplied, its checks, and where it is chosen."""
+
+import warnings
+
+import pytest
+import torch
+
+import tlt.model.packed as packed
+from tlt.model import cpu_f32
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = cpu_f32.kernels()
+    if m is None:
+        pytest.skip("tlt's float32 CPU kernel does not run here (no AVX2 and FMA, or no compiler)")
+    return m
+
+
+@pytest.mark.parametrize("N,K", [(16, 8), (96, 64), (100, 37), (1, 5), (250, 129)])
+def test_products_equal_pytorchs_on_uneven_shapes(module, N, K):
+    gen = torch.Generator().manual_seed(N * K)
+    w, bias = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    p = cpu_f32.pack(w)
+    assert p.shape == (-(-N // 16), K, 16) and torch.equal(p.transpose(1, 2).reshape(-1, K)[:N], w)
+    for M in (1, 2, 5, 6, 7, 12, 13, 40):
+        x, residual = torch.randn(M, K, generator=gen), torch.randn(M, N, generator=gen)
+        tol = dict(rtol=1e-5, atol=1e-5 * K ** 0.5)
+        assert torch.allclose(module.linear(x, p, N, None, None), x @ w.T, **tol)
+        assert torch.allclose(module.linear(x, p, N, bias, None), x @ w.T + bias, **tol)
+        assert torch.allclose(module.linear(x, p, N, bias, residual), x @ w.T + bias + residual, **tol)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(module):
+    """Bit for bit, whatever the row count and the register block a row falls in (blocks of 6 rows)."""
+    gen = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen)
+    p = cpu_f32.pack(w)
+    x, residual = torch.randn(23, 300, generator=gen), torch.randn(23, 200, generator=gen)
+    full = module.linear(x, p, 200, bias, residual)
+    for start, stop in ((0, 1), (5, 6), (7, 9), (3, 17), (11, 23)):
+        assert torch.equal(module.linear(x[start:stop], p, 200, bias, residual[start:stop]), full[start:stop])
+    # rows with a stride (a slice of wider rows) read as contiguous ones
+    wide = torch.randn(23, 400, generator=gen)
+    wide[:, :300] = x
+    assert torch.equal(module.linear(wide[:, :300], p, 200, bias, residual), full)
+
+
+def test_it_checks_its_inputs(module):
+    p = cpu_f32.pack(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="K = 8"):
+        module.linear(torch.randn(3, 9), p, 20, None, None)
+    with pytest.raises(RuntimeError, match="does not fill"):
+        module.linear(torch.randn(3, 8), p, 40, None, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        module.linear(torch.randn(3, 8), p, 20, torch.randn(19), None)
+    with pytest.raises(RuntimeError, match="residual"):
+        module.linear(torch.randn(3, 8), p, 20, None, torch.randn(2, 20))
+    with pytest.raises(RuntimeError, match="float32"):
+        module.linear(torch.randn(3, 8).double(), p, 20, None, None)
+    assert module.linear(torch.randn(0, 8), p, 20, None, None).shape == (0, 20)
+
+
+@pytest.mark.parametrize("flags,chosen", [({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f"}, False),
+                                          ({"avx"}, False), (None, False)])
+def test_it_is_preferred_on_avx2_cpus_without_avx512(monkeypatch, flags, chosen):
+    monkeypatch.setattr(cpu_f32, "_cpu_flags", lambda: flags)
+    assert cpu_f32.preferred() == chosen
+
+
+def test_packed_linear_takes_it_for_large_float32_weights_only(module, monkeypatch):
+    monkeypatch.setattr(packed, "F32_KERNEL", True)
+    large = torch.randn(packed.PACK_MIN_BYTES // 4 // 64 + 16, 64)
+    assert packed.PackedLinear(large).f32_kernel is not None
+    assert packed.PackedLinear(torch.randn(32, 64)).f32_kernel is None  # small: MKL's column-major layout
+    assert packed.PackedLinear(large.bfloat16()).f32_kernel is None
+    monkeypatch.setattr(packed, "F32_KERNEL", False)
+    assert packed.PackedLinear(large).f32_kernel is None and packed.PackedLinear(large).packed
+
+
+def test_without_the_kernel_a_warning_names_the_reason_once(monkeypatch):
+    monkeypatch.setenv("TLT_CPU_KERNELS", "0")
+    for name, value in (("_module", None), ("_reason", None), ("_warned", False)):
+        monkeypatch.setattr(cpu_f32, name, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cpu_f32.kernels() is None and cpu_f32.kernels() is None
+    messages = [str(w.message) for w in caught if "float32 CPU kernel" in str(w.message)]
+    assert len(messages) == 1 and "TLT_CPU_KERNELS=0" in messages[0] and "oneDNN" in messages[0]

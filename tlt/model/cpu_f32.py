@@ -1,0 +1,90 @@
+"""float32 products of the CPU decode step on AVX2 (csrc/cpu_f32.cpp), compiled on first use.
+
+Where the CPU has no AVX-512 (AMD's Zen 3 EPYC, for one) tlt decodes in float32: oneDNN packs no bf16 there
+and PyTorch's own bf16 products are several times slower (tlt/model/packed.py). oneDNN's prepacked float32
+products stream a one-row product near the memory bandwidth, but cost about twice that from 2 rows to 9:
+on 2 cores of a Zen 3 EPYC, the bench policy's products (12 layers, 368 MB) took 14.9 ms at one row and
+28-32 ms at 2-9 rows (scripts/f32_rows.py), so a 9-token verification cost two one-token steps. This
+kernel reads each weight once for a block of up to 6 rows, and its weight groups stay in L2 for the next
+blocks, so a product over a few rows costs about what one over a single row does.
+
+Each output element is one float32 sum over the inputs in order, whatever the number of rows, so a row's
+result does not depend on how many rows are multiplied (oneDNN's float32 kernels round differently by
+row count): a verification forward's rows equal the one-token step's bit for bit.
+
+`preferred()`: the kernel takes large float32 weights (packed.should_pack) on CPUs with AVX2 and FMA but
+no AVX-512, where it was measured; CPUs with AVX-512 keep oneDNN's float32 products. The extension is built
+as tlt's bf16 kernels are (tlt/model/cpu_kernels.py: ~30 s once, cached); where it cannot be built, or
+`TLT_CPU_KERNELS=0`, float32 products take oneDNN's prepacked weights, and a warning names the reason once.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tlt.model import cpu_kernels
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_f32.cpp"
+GROUP = 16  # output columns per packed weight group (csrc/cpu_f32.cpp)
+
+_module = None
+_reason: str | None = None
+_warned = False
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, None where there is none (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def preferred() -> bool:
+    """Whether large float32 weights should take this kernel here: AVX2 and FMA without AVX-512."""
+    flags = _cpu_flags()
+    return flags is not None and {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
+def _load():
+    global _module, _reason
+    if os.environ.get(cpu_kernels.ENV, "1") == "0":
+        _reason = f"{cpu_kernels.ENV}=0"
+        return None
+    flags = _cpu_flags()
+    if flags is not None and not {"avx2", "fma"} <= flags:
+        _reason = "this CPU has no AVX2 and FMA"
+        return None
+    module, _reason = cpu_kernels.compiled(SOURCE, "tlt_cpu_f32")
+    if module is not None and not module.supported():
+        module, _reason = None, "this CPU has no AVX2 and FMA"
+    _module = module
+    return module
+
+
+def kernels():
+    """The compiled module (`linear`), or None where it cannot run (the first None warns with the reason)."""
+    global _warned
+    if _module is None and _reason is None:
+        _load()
+    if _module is None and not _warned:
+        _warned = True
+        warnings.warn(f"tlt: float32 CPU kernel unavailable: {_reason}; float32 products use oneDNN (a product over "
+                      f"2-9 rows about twice one over a single row)", RuntimeWarning, stacklevel=2)
+    return _module
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> [ceil(N / 16), K, 16]: group g holds output columns 16 g ... 16 g + 15 (zero
+    past N)."""
+    N, K = weight.shape
+    groups = -(-N // GROUP)
+    padded = F.pad(weight.detach().float(), (0, 0, 0, groups * GROUP - N))
+    return padded.view(groups, GROUP, K).transpose(1, 2).contiguous()

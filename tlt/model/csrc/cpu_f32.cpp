@@ -1,0 +1,139 @@
+// float32 products of the CPU decode step on AVX2 + FMA (tlt/model/cpu_f32.py).
+//
+// A weight [N, K] is packed as groups of 16 output columns, [ceil(N / 16), K, 16] (the last group padded
+// with zeros): a group is one contiguous stream, and each input k reads its 16 weights with two loads.
+// A block of up to 6 rows times one group keeps 12 accumulators in registers; every weight read from
+// memory serves all rows of the block, and the group stays in L2 while further blocks of rows reuse it,
+// so a product over a few rows streams the weight about once, as one over a single row does.
+//
+// Each output element is one float32 accumulator summed over k in order (one fused multiply-add per k),
+// whatever the number of rows or the block a row falls in: a row's result does not depend on how many
+// rows are multiplied (a draft's verification gives the one-token step's values bit for bit). Bias and
+// residual are added after the sum, in that order.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+#define TARGET __attribute__((target("avx2,fma")))
+
+namespace {
+
+constexpr int64_t GROUP = 16;  // output columns per packed group
+constexpr int64_t BLOCK = 6;   // rows per register block: 12 accumulators, 2 weights, 1 broadcast
+
+// Row r's sums (two registers of 8 columns) plus bias and residual, into its `valid` output columns.
+TARGET inline void finish(__m256 lo, __m256 hi, int64_t r, const float* bias, const float* residual, int64_t ldr,
+                          float* out, int64_t ldo, int64_t valid) {
+  alignas(32) float sums[GROUP];
+  _mm256_store_ps(sums, lo);
+  _mm256_store_ps(sums + 8, hi);
+  float* o = out + r * ldo;
+  for (int64_t c = 0; c < valid; ++c) {
+    float v = sums[c];
+    if (bias) v += bias[c];
+    if (residual) v += residual[r * ldr + c];
+    o[c] = v;
+  }
+}
+
+// out[r, 0:16] (+ bias, + residual) for rows r < R of x, over one group's weights w [K, 16]; `valid`
+// columns are written (fewer in the last group). The accumulators are named variables, not an array, so that
+// the compiler keeps all 12 in registers through the loop.
+template <int R>
+TARGET void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, const float* residual,
+                  int64_t ldr, float* out, int64_t ldo, int64_t valid) {
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0,
+         l5 = l0, h5 = l0;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * GROUP), w1 = _mm256_loadu_ps(w + k * GROUP + 8);
+#define TLT_ROW(i)                                                  \
+    if constexpr (R > i) {                                          \
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);       \
+      l##i = _mm256_fmadd_ps(xv, w0, l##i);                         \
+      h##i = _mm256_fmadd_ps(xv, w1, h##i);                         \
+    }
+    TLT_ROW(0) TLT_ROW(1) TLT_ROW(2) TLT_ROW(3) TLT_ROW(4) TLT_ROW(5)
+#undef TLT_ROW
+  }
+  finish(l0, h0, 0, bias, residual, ldr, out, ldo, valid);
+  if constexpr (R > 1) finish(l1, h1, 1, bias, residual, ldr, out, ldo, valid);
+  if constexpr (R > 2) finish(l2, h2, 2, bias, residual, ldr, out, ldo, valid);
+  if constexpr (R > 3) finish(l3, h3, 3, bias, residual, ldr, out, ldo, valid);
+  if constexpr (R > 4) finish(l4, h4, 4, bias, residual, ldr, out, ldo, valid);
+  if constexpr (R > 5) finish(l5, h5, 5, bias, residual, ldr, out, ldo, valid);
+}
+
+TARGET void rows_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
+                       const float* residual, int64_t ldr, float* out, int64_t ldo, int64_t valid) {
+  switch (rows) {
+    case 1: block<1>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
+    case 2: block<2>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
+    case 3: block<3>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
+    case 4: block<4>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
+    case 5: block<5>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
+    default: block<6>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
+  }
+}
+
+bool cpu_has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+}  // namespace
+
+bool supported() { return cpu_has_avx2_fma(); }
+
+// x [M, K] (rows contiguous) times the packed weight [G, K, 16] -> [M, N] float32, plus bias [N] and residual
+// [M, N] when given.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(supported(), "cpu_f32.linear: this CPU has no AVX2 and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: 2-D float32 rows with contiguous columns");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == GROUP && packed.is_contiguous() && packed.scalar_type() == torch::kFloat,
+              "packed: [groups, K, 16] float32, contiguous");
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "packed weight has K = ", packed.size(1), ", x has ", K);
+  TORCH_CHECK(N >= 1 && (N + GROUP - 1) / GROUP == G, "N = ", N, " does not fill ", G, " groups of ", GROUP);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat, "bias: [N] float32");
+    b = bias->data_ptr<float>();
+  }
+  const float* res = nullptr;
+  int64_t ldr = 0;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N && residual->stride(1) == 1 &&
+                residual->scalar_type() == torch::kFloat, "residual: [M, N] float32 with contiguous columns");
+    res = residual->data_ptr<float>();
+    ldr = residual->stride(0);
+  }
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // Each thread takes a contiguous run of groups (one stream of weights) and all rows for each.
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t c0 = g * GROUP, valid = std::min(GROUP, N - c0);
+      const float* w = wp + g * K * GROUP;
+      for (int64_t r0 = 0; r0 < M; r0 += BLOCK) {
+        const int64_t rows = std::min(BLOCK, M - r0);
+        rows_block(rows, xp + r0 * ldx, ldx, w, K, b ? b + c0 : nullptr, res ? res + r0 * ldr + c0 : nullptr, ldr,
+                   op + r0 * N + c0, N, valid);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported", &supported);
+  m.def("linear", &linear, "x @ W^T (+ bias) (+ residual) on a weight packed in groups of 16 columns",
+        py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+}
