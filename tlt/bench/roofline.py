@@ -5,7 +5,8 @@ weight bytes / read bandwidth (the "bandwidth limit"), and speculative decoding 
 over T new tokens costs about one over a single token. The bench measures, in one run:
   - the machine: read bandwidth (a sum over 1 GB of float32; once before and once per repeat, in the
     rotation with the forwards: the limit takes the median of the latter), and the best product throughput of the
-    kernels available in the model's dtype: tlt's bf16 kernel (tlt/model/cpu_kernels.py), prepacked
+    kernels available in the model's dtype: tlt's bf16 kernel (tlt/model/cpu_kernels.py) or, in float32 on a
+    CPU without AVX-512, its float32 kernel (tlt/model/cpu_f32.py), prepacked
     oneDNN weights and plain `F.linear` at 1 row (GB/s of weight streamed, over weights larger than the
     cache) and at 256 rows (GFLOP/s); the bf16 throughput of AVX-512's dot products and, where AMX runs, of
     the tile unit, each on operands held in registers or tiles (no memory read: the ceiling of every product
@@ -104,7 +105,8 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from tlt.model import cpu_kernels
+    from tlt.model import cpu_f32, cpu_kernels
+    from tlt.model import packed as tlt_packed
     from tlt.model.packed import ONEDNN, ONEDNN_BF16
 
     data = torch.ones(BANDWIDTH_BYTES // 4)
@@ -123,9 +125,13 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
             plain["onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
         kernels = cpu_kernels.kernels() if dtype == torch.bfloat16 else None
+        f32 = cpu_f32.kernels() if dtype == torch.float32 and tlt_packed.F32_KERNEL else None
         if kernels is not None:
             ours = [cpu_kernels.pack(w) for w in weights]
             plain["tlt_kernel"] = lambda x: [kernels.linear(x, p, rows, None, None) for p in ours]
+        elif f32 is not None:  # float32 on a CPU without AVX-512: tlt's AVX2 kernel
+            ours = [cpu_f32.pack(w) for w in weights]
+            plain["tlt_kernel"] = lambda x: [f32.linear(x, p, rows, None, None) for p in ours]
         for name, run in plain.items():
             out[f"{name}_1_row_gb_s"] = nbytes / _median_seconds(lambda: run(one), repeats) / 1e9
             out[f"{name}_256_rows_gflop_s"] = flops_256 / _median_seconds(lambda: run(many), 3) / 1e9

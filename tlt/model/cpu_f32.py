@@ -2,11 +2,13 @@
 
 Where the CPU has no AVX-512 (AMD's Zen 3 EPYC, for one) tlt decodes in float32: oneDNN packs no bf16 there
 and PyTorch's own bf16 products are several times slower (tlt/model/packed.py). oneDNN's prepacked float32
-products stream a one-row product near the memory bandwidth, but cost about twice that from 2 rows to 9:
-on 2 cores of a Zen 3 EPYC, the bench policy's products (12 layers, 368 MB) took 14.9 ms at one row and
-28-32 ms at 2-9 rows (scripts/f32_rows.py), so a 9-token verification cost two one-token steps. This
-kernel reads each weight once for a block of up to 6 rows, and its weight groups stay in L2 for the next
-blocks, so a product over a few rows costs about what one over a single row does.
+products cost about twice as much at 2-9 rows as at one: on 2 cores of a Zen 3 EPYC the bench policy's 48
+products (368 MB) took 14.9 ms at one row and 26.7-38.8 ms at 2-9 rows, where this kernel takes 11.1 ms and
+12.4-21.6 ms (`python scripts/f32_rows.py --threads 2 --repeats 5`, docs/results/f32_rows_zen3.json; 33 GB/s
+at one row, the machine's read bandwidth). It reads each weight once for a block of up to 6 rows, and a
+weight group stays in L2 while the next blocks of rows reuse it; past 6 rows the products are bound by
+arithmetic (AVX2's peak, 32 FLOP a cycle a core, makes 9 rows of 368 MB about as long as streaming them once),
+and from 64 rows it runs at oneDNN's rate (111 against 101 GFLOP/s).
 
 Each output element is one float32 sum over the inputs in order, whatever the number of rows, so a row's
 result does not depend on how many rows are multiplied (oneDNN's float32 kernels round differently by

@@ -2,9 +2,10 @@
 //
 // A weight [N, K] is packed as groups of 16 output columns, [ceil(N / 16), K, 16] (the last group padded
 // with zeros): a group is one contiguous stream, and each input k reads its 16 weights with two loads.
-// A block of up to 6 rows times one group keeps 12 accumulators in registers; every weight read from
-// memory serves all rows of the block, and the group stays in L2 while further blocks of rows reuse it,
-// so a product over a few rows streams the weight about once, as one over a single row does.
+// A block of up to 6 rows times one group keeps 12 accumulators in registers; every weight read serves all
+// rows of the block. The blocks of rows take a group's inputs in chunks of 128, all blocks one chunk before
+// the next, so the group streams from memory once while every block multiplies by it (from L1), and a
+// product over a few rows costs about what streaming the weight once does, until arithmetic bounds it.
 //
 // Each output element is one float32 accumulator summed over k in order (one fused multiply-add per k),
 // whatever the number of rows or the block a row falls in: a row's result does not depend on how many
@@ -16,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #define TARGET __attribute__((target("avx2,fma")))
 
@@ -24,30 +26,22 @@ namespace {
 constexpr int64_t GROUP = 16;  // output columns per packed group
 constexpr int64_t BLOCK = 6;   // rows per register block: 12 accumulators, 2 weights, 1 broadcast
 
-// Row r's sums (two registers of 8 columns) plus bias and residual, into its `valid` output columns.
-TARGET inline void finish(__m256 lo, __m256 hi, int64_t r, const float* bias, const float* residual, int64_t ldr,
-                          float* out, int64_t ldo, int64_t valid) {
-  alignas(32) float sums[GROUP];
-  _mm256_store_ps(sums, lo);
-  _mm256_store_ps(sums + 8, hi);
-  float* o = out + r * ldo;
-  for (int64_t c = 0; c < valid; ++c) {
-    float v = sums[c];
-    if (bias) v += bias[c];
-    if (residual) v += residual[r * ldr + c];
-    o[c] = v;
-  }
-}
+constexpr int64_t CHUNK = 128;  // inputs per pass of every row block over a group (8 KB of its weights)
 
-// out[r, 0:16] (+ bias, + residual) for rows r < R of x, over one group's weights w [K, 16]; `valid`
-// columns are written (fewer in the last group). The accumulators are named variables, not an array, so that
-// the compiler keeps all 12 in registers through the loop.
+// Partial sums acc[r, 0:16] (row stride 16) of rows r < R of x go on over inputs k0 <= k < k1 of one group's
+// weights w [K, 16]. The accumulators are named variables, not an array, so that the compiler keeps all 12 in
+// registers through the loop.
 template <int R>
-TARGET void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, const float* residual,
-                  int64_t ldr, float* out, int64_t ldo, int64_t valid) {
-  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0,
-         l5 = l0, h5 = l0;
-  for (int64_t k = 0; k < K; ++k) {
+TARGET void block(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* acc) {
+  __m256 l0, h0, l1, h1, l2, h2, l3, h3, l4, h4, l5, h5;
+#define TLT_LOAD(i)                                                 \
+  if constexpr (R > i) {                                            \
+    l##i = _mm256_loadu_ps(acc + i * GROUP);                        \
+    h##i = _mm256_loadu_ps(acc + i * GROUP + 8);                    \
+  }
+  TLT_LOAD(0) TLT_LOAD(1) TLT_LOAD(2) TLT_LOAD(3) TLT_LOAD(4) TLT_LOAD(5)
+#undef TLT_LOAD
+  for (int64_t k = k0; k < k1; ++k) {
     const __m256 w0 = _mm256_loadu_ps(w + k * GROUP), w1 = _mm256_loadu_ps(w + k * GROUP + 8);
 #define TLT_ROW(i)                                                  \
     if constexpr (R > i) {                                          \
@@ -58,23 +52,47 @@ TARGET void block(const float* x, int64_t ldx, const float* w, int64_t K, const 
     TLT_ROW(0) TLT_ROW(1) TLT_ROW(2) TLT_ROW(3) TLT_ROW(4) TLT_ROW(5)
 #undef TLT_ROW
   }
-  finish(l0, h0, 0, bias, residual, ldr, out, ldo, valid);
-  if constexpr (R > 1) finish(l1, h1, 1, bias, residual, ldr, out, ldo, valid);
-  if constexpr (R > 2) finish(l2, h2, 2, bias, residual, ldr, out, ldo, valid);
-  if constexpr (R > 3) finish(l3, h3, 3, bias, residual, ldr, out, ldo, valid);
-  if constexpr (R > 4) finish(l4, h4, 4, bias, residual, ldr, out, ldo, valid);
-  if constexpr (R > 5) finish(l5, h5, 5, bias, residual, ldr, out, ldo, valid);
+#define TLT_STORE(i)                                                \
+  if constexpr (R > i) {                                            \
+    _mm256_storeu_ps(acc + i * GROUP, l##i);                        \
+    _mm256_storeu_ps(acc + i * GROUP + 8, h##i);                    \
+  }
+  TLT_STORE(0) TLT_STORE(1) TLT_STORE(2) TLT_STORE(3) TLT_STORE(4) TLT_STORE(5)
+#undef TLT_STORE
 }
 
-TARGET void rows_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-                       const float* residual, int64_t ldr, float* out, int64_t ldo, int64_t valid) {
+TARGET void rows_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* acc) {
   switch (rows) {
-    case 1: block<1>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
-    case 2: block<2>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
-    case 3: block<3>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
-    case 4: block<4>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
-    case 5: block<5>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
-    default: block<6>(x, ldx, w, K, bias, residual, ldr, out, ldo, valid); break;
+    case 1: block<1>(x, ldx, w, k0, k1, acc); break;
+    case 2: block<2>(x, ldx, w, k0, k1, acc); break;
+    case 3: block<3>(x, ldx, w, k0, k1, acc); break;
+    case 4: block<4>(x, ldx, w, k0, k1, acc); break;
+    case 5: block<5>(x, ldx, w, k0, k1, acc); break;
+    default: block<6>(x, ldx, w, k0, k1, acc); break;
+  }
+}
+
+// out[:, c0 : c0 + valid] (+ bias, + residual) of all M rows over group g's weights w [K, 16]. Every row block
+// takes a chunk of the inputs before any takes the next, so the group streams from memory once while all blocks
+// multiply by it; a row's sums go on in memory between chunks, exactly as in registers.
+TARGET void group(int64_t M, int64_t K, const float* x, int64_t ldx, const float* w, const float* bias,
+                  const float* residual, int64_t ldr, float* out, int64_t ldo, int64_t valid, float* acc) {
+  std::fill(acc, acc + M * GROUP, 0.0f);
+  const int64_t chunk = M <= BLOCK ? K : CHUNK;  // one block of rows: one pass
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
+    for (int64_t r0 = 0; r0 < M; r0 += BLOCK) {
+      rows_block(std::min(BLOCK, M - r0), x + r0 * ldx, ldx, w, k0, k1, acc + r0 * GROUP);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    float* o = out + r * ldo;
+    for (int64_t c = 0; c < valid; ++c) {
+      float v = acc[r * GROUP + c];
+      if (bias) v += bias[c];
+      if (residual) v += residual[r * ldr + c];
+      o[c] = v;
+    }
   }
 }
 
@@ -119,14 +137,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const int64_t ldx = x.stride(0);
   // Each thread takes a contiguous run of groups (one stream of weights) and all rows for each.
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> acc(M * GROUP);
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t c0 = g * GROUP, valid = std::min(GROUP, N - c0);
-      const float* w = wp + g * K * GROUP;
-      for (int64_t r0 = 0; r0 < M; r0 += BLOCK) {
-        const int64_t rows = std::min(BLOCK, M - r0);
-        rows_block(rows, xp + r0 * ldx, ldx, w, K, b ? b + c0 : nullptr, res ? res + r0 * ldr + c0 : nullptr, ldr,
-                   op + r0 * N + c0, N, valid);
-      }
+      const int64_t c0 = g * GROUP;
+      group(M, K, xp, ldx, wp + g * K * GROUP, b ? b + c0 : nullptr, res ? res + c0 : nullptr, ldr, op + c0, N,
+            std::min(GROUP, N - c0), acc.data());
     }
   });
   return out;
