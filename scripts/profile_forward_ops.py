@@ -13,8 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tlt.bench.roofline import RANDOM_LARGE
-from tlt.model import ModelConfig, Transformer
+from tlt.bench.roofline import random_large
 
 
 def main() -> None:
@@ -27,8 +26,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=12, help="operators listed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**RANDOM_LARGE)).eval().to(getattr(torch, args.dtype))
+    model = random_large(getattr(torch, args.dtype))
     with torch.inference_mode():
         cache = model.new_cache(1)
         model(torch.randint(3, 30000, (1, args.prompt_len)), cache=cache)

@@ -41,10 +41,21 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(module):
     full = module.linear(x, p, 200, bias, residual)
     for start, stop in ((0, 1), (5, 6), (7, 9), (3, 17), (11, 23)):
         assert torch.equal(module.linear(x[start:stop], p, 200, bias, residual[start:stop]), full[start:stop])
-    # rows with a stride (a slice of wider rows) read as contiguous ones
-    wide = torch.randn(23, 400, generator=gen)
-    wide[:, :300] = x
-    assert torch.equal(module.linear(wide[:, :300], p, 200, bias, residual), full)
+    # rows with a stride (a slice of wider rows) read as contiguous ones, inputs and residual alike
+    wide, wide_residual = torch.randn(23, 400, generator=gen), torch.randn(23, 250, generator=gen)
+    wide[:, :300], wide_residual[:, :200] = x, residual
+    assert torch.equal(module.linear(wide[:, :300], p, 200, bias, wide_residual[:, :200]), full)
+
+
+def test_many_rows_come_in_tiles_with_the_same_bits(module):
+    """Past a tile of rows (48) the weights are streamed again per tile; each row's sums are unchanged."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 70, generator=gen)
+    p, x = cpu_f32.pack(w), torch.randn(130, 70, generator=gen)
+    full = module.linear(x, p, 40, None, None)
+    assert torch.allclose(full, x @ w.T, rtol=1e-5, atol=1e-4)
+    for start, stop in ((0, 48), (47, 49), (100, 130), (5, 6)):
+        assert torch.equal(module.linear(x[start:stop], p, 40, None, None), full[start:stop])
 
 
 def test_it_checks_its_inputs(module):
@@ -65,18 +76,21 @@ def test_it_checks_its_inputs(module):
 @pytest.mark.parametrize("flags,chosen", [({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f"}, False),
                                           ({"avx"}, False), (None, False)])
 def test_it_is_preferred_on_avx2_cpus_without_avx512(monkeypatch, flags, chosen):
-    monkeypatch.setattr(cpu_f32, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_f32.cpu_kernels, "cpu_flags", lambda: flags)
     assert cpu_f32.preferred() == chosen
 
 
-def test_packed_linear_takes_it_for_large_float32_weights_only(module, monkeypatch):
+@pytest.mark.parametrize("onednn", [True, False])
+def test_packed_linear_takes_it_for_large_float32_weights_only(module, monkeypatch, onednn):
+    """Whether or not the PyTorch build has oneDNN (the kernel needs none)."""
+    monkeypatch.setattr(packed, "ONEDNN", onednn and packed.ONEDNN)
     monkeypatch.setattr(packed, "F32_KERNEL", True)
     large = torch.randn(packed.PACK_MIN_BYTES // 4 // 64 + 16, 64)
     assert packed.PackedLinear(large).f32_kernel is not None
     assert packed.PackedLinear(torch.randn(32, 64)).f32_kernel is None  # small: MKL's column-major layout
     assert packed.PackedLinear(large.bfloat16()).f32_kernel is None
     monkeypatch.setattr(packed, "F32_KERNEL", False)
-    assert packed.PackedLinear(large).f32_kernel is None and packed.PackedLinear(large).packed
+    assert packed.PackedLinear(large).f32_kernel is None and packed.PackedLinear(large).packed == packed.ONEDNN
 
 
 def test_without_the_kernel_a_warning_names_the_reason_once(monkeypatch):

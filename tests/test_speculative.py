@@ -234,8 +234,8 @@ def test_sampling_is_exact_on_prepacked_weights(monkeypatch, kind, strategy, tem
 
 @pytest.mark.parametrize("strategy", ["chain-d3", "tree-d4-k3-v10", "ngram-d4"])
 def test_speculative_equals_plain_on_the_float32_kernel(monkeypatch, strategy):
-    """On tlt's float32 kernel a verification's rows are the one-token steps' bit for bit, so greedy and seeded
-    speculative decoding (target-only arms) give plain decoding's tokens, as on a CPU without AVX-512."""
+    """With every product on tlt's float32 kernel (as a large model's on a CPU without AVX-512), greedy and seeded
+    speculative decoding (target-only arms) give plain decoding's tokens."""
     float32_kernel(monkeypatch, True)
     target = random_target(seed=4, scale=0.6)
     prompts = [torch.randint(3, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
@@ -247,7 +247,7 @@ def test_speculative_equals_plain_on_the_float32_kernel(monkeypatch, strategy):
         plain = tlt.RolloutEngine(target).generate(prompts, params)
         spec = engine(target, strategy, drafter)
         assert tokens_of(spec.generate(prompts, params)) == tokens_of(plain)
-        assert spec.stats()["acceptance_length"] >= 1.0
+        assert spec.stats()["acceptance_length"] > 1.0  # drafts were verified and some accepted
     assert target.model.layers[0].fused_weights().qkv.f32_kernel is not None
 
 

@@ -83,12 +83,15 @@ def recipe() -> dict:
 
     preset = PRESETS["bench"]
     weights = resolve_model_path(preset["init"]) / "model.safetensors"
+    r = {"sft_preset": preset, "task": list(NAMED_TASKS["bench"]),
+         "init_weights": hashlib.sha256(weights.read_bytes()).hexdigest()[:16],
+         "commands": {name: ["tlt", *args] for name, args in COMMANDS}}
     # `tlt sft` trains in float32 where bf16 autocast has no bf16 products (AVX2 only): another policy, so another
-    # build, and a cache copied between such machines is rebuilt rather than taken for the other's.
-    autocast = bool(preset.get("autocast")) and not slow_cpu_bf16()
-    return {"sft_preset": preset, "policy_autocast": autocast, "task": list(NAMED_TASKS["bench"]),
-            "init_weights": hashlib.sha256(weights.read_bytes()).hexdigest()[:16],
-            "commands": {name: ["tlt", *args] for name, args in COMMANDS}}
+    # build, and a cache copied between such machines is rebuilt rather than taken for the other's. Recorded only
+    # then, so the builds where the preset's autocast runs keep their hash.
+    if preset.get("autocast") and slow_cpu_bf16():
+        r["policy_autocast"] = False
+    return r
 
 
 def recipe_hash(r: dict) -> str:

@@ -19,11 +19,11 @@ Inside a bucket, `choose` runs:
    (their count when decay = 1), n the candidates' together, and spread the bucket's robust spread of one
    step's log reward about its arm's median (1.4826 x the median absolute deviation, refitted with the row
    slope); under `spread="arm"` the larger of that and the arm's own spread (as UCB1-Tuned scales each
-   arm's bound by its own variance; "Spreads" below); `epsilon` is unused. With `explore="cost"` or `"uniform"`, with probability `epsilon` /
-   `explore_run` an exploration draw: a uniformly random arm (the greedy one included); under "cost" a
-   drawn arm whose steps take longer than the greedy arm's runs only with probability seconds(greedy) /
-   seconds(arm), the median step times of the two in the bucket, and the step is greedy otherwise; under
-   "uniform" it always runs (textbook epsilon-greedy). Without step times (`update` called without
+   arm's bound by its own variance; "Spreads" below); `epsilon` is unused. With `explore="cost"` or
+   `"uniform"`, with probability `epsilon` / `explore_run` an exploration draw: a uniformly random arm (the
+   greedy one included); under "cost" a drawn arm whose steps take longer than the greedy arm's runs only
+   with probability seconds(greedy) / seconds(arm), the median step times of the two in the bucket, and the
+   step is greedy otherwise; under "uniform" it always runs (textbook epsilon-greedy). Without step times (`update` called without
    `seconds`) the reward ratio score(arm) / score(greedy) stands in: the two agree when every arm emits
    the same tokens per step. An explored arm runs for `explore_run` steps of the bucket.
 3. Otherwise the arm with the best score, ties going to the arm listed first.
@@ -45,12 +45,13 @@ epsilon draws did 17-22 times, and the shallow tree-d4-k1-v4 11-67 times where e
 three runs of four.
 
 Spreads (`spread`). The bucket's spread pools every arm's rewards, so the arm with the most of them, the
-greedy one, sets it, and a draft arm's steps often vary more than plain decoding's (default policy, 16 x 8
-rollout on a Zen 3, docs/results/bench_rollout_default_spread_arm_zen3.json: at one live row a spread of 0.18
-in log reward for plain decoding against 0.23-1.09 for the draft arms). A noisy rival's bound is then as
-narrow as a steady arm's: after one poor draw it waits until that reward's weight has decayed, and again after every
-poor draw. With `spread="arm"` its own spread widens its bound once it has two rewards, so it is measured
-again soon and judged on several (synthetic streams: a suffix arm 30% faster than plain decoding but
+greedy one, sets it, while arms' own spreads differ several-fold within a bucket (default policy, 16 x 8
+rollout on a Zen 3, docs/results/bench_rollout_default_spread_arm_zen3.json: at one live row from 0.18 in log
+reward for plain decoding to 1.09 for tree-d4-k1-v4, where the greedy tree-d4-k2-v8's rewards set the
+bucket's). A rival noisier than the greedy arm then gets a bound as narrow as a steady arm's: after one
+poor draw it waits until that reward's weight has decayed, and again after every poor draw. With
+`spread="arm"` its own spread widens its bound once it has two rewards, so it is measured again soon and
+judged on several (synthetic streams: a suffix arm 30% faster than plain decoding but
 noisy, forgotten and re-measured, was kept out of most of the next 150 steps in 13 of 40 streams under
 the bucket's spread, in 2 of 40 under its own); a noisy arm that is worse is measured more often too.
 "bucket" stays the default: "arm" has been measured on the default policy only (docs/results/README.md,
@@ -195,7 +196,8 @@ class TunerConfig:
     prune_ratio: float = setting(0.5, "an arm below this fraction of the best's median (mean) is pruned (0: never)")
     explore: str = setting("ucb", "how exploration is chosen: ucb (an upper confidence bound; epsilon unused), cost "
                                   "(epsilon draws weighed by step time) or uniform (epsilon draws)")
-    ucb: float = setting(1.0, "explore=ucb: the bound's width, in the bucket's spreads of log reward")
+    ucb: float = setting(1.0, "explore=ucb: the bound's width, in spreads of log reward (the bucket's, or with "
+                              "spread=arm the larger of that and the arm's own)")
     row_slope: bool = setting(True, "rank a bucket's arms as at one batch size, by a fitted slope of log reward "
                                     "on log live rows (false: raw rewards)")
     explore_run: int = setting(1, "steps an exploration draw (or an untried arm) keeps its arm; the step after a "
@@ -280,6 +282,11 @@ def _deviations(values: Sequence[float]) -> list[float]:
         return []
     middle = statistics.median(values)
     return [abs(v - middle) for v in values]
+
+
+def _robust_spread(deviations: Sequence[float]) -> float:
+    """1.4826 x the median absolute deviation (a normal's sigma), from the deviations; 0 with none."""
+    return 1.4826 * statistics.median(deviations) if deviations else 0.0
 
 
 def _log(x: float) -> float:
@@ -455,7 +462,7 @@ class Tuner:
         deviations = []
         for arm in self.arms:
             deviations += _deviations([v for v in self._adjusted(bucket, arm) if v > -math.inf])
-        return 1.4826 * statistics.median(deviations) if deviations else 0.0
+        return _robust_spread(deviations)
 
     def _adjusted(self, bucket: _Bucket, arm: Strategy) -> list[float]:
         """The arm's log rewards in window order, moved along the bucket's row slope to its smallest batch size."""
@@ -489,8 +496,7 @@ class Tuner:
             values = self._adjusted(bucket, arm)
             own = 0.0
             if self.config.spread == "arm":
-                deviations = _deviations([v for v in values if v > -math.inf])
-                own = 1.4826 * statistics.median(deviations) if deviations else 0.0
+                own = _robust_spread(_deviations([v for v in values if v > -math.inf]))
             if self.config.score == "mean":
                 rewards = [math.exp(v) for v in values]
                 bucket.summaries[arm] = (decayed_mean(stamps, rewards, self.config.decay), statistics.fmean(rewards), own)
@@ -563,8 +569,8 @@ class Tuner:
     def stats(self) -> dict:
         """Per bucket (list index = bucket index): choice counts, explorations, window sizes, plain and
         decayed medians (means under score="mean"; the latter is what the greedy choice ranks; both as at the
-        bucket's smallest batch size, moved along its row slope), the slope, the greedy arm, and the pruned arms
-        with why they were pruned."""
+        bucket's smallest batch size, moved along its row slope), the slope, the bucket's spread and, under
+        spread="arm", each arm's own, the greedy arm, and the pruned arms with why they were pruned."""
         out = []
         for i, bucket in enumerate(self._buckets):
             tried = [a for a in self.arms if bucket.windows[a]]

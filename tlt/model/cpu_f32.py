@@ -3,16 +3,17 @@
 Where the CPU has no AVX-512 (AMD's Zen 3 EPYC, for one) tlt decodes in float32: oneDNN packs no bf16 there
 and PyTorch's own bf16 products are several times slower (tlt/model/packed.py). oneDNN's prepacked float32
 products cost about twice as much at 2-9 rows as at one: on 2 cores of a Zen 3 EPYC the bench policy's 48
-products (368 MB) took 14.9 ms at one row and 26.7-38.8 ms at 2-9 rows, where this kernel takes 11.1 ms and
-12.4-21.6 ms (`python scripts/f32_rows.py --threads 2 --repeats 5`, docs/results/f32_rows_zen3.json; 33 GB/s
-at one row, the machine's read bandwidth). It reads each weight once for a block of up to 6 rows, and a
-weight group stays in L2 while the next blocks of rows reuse it; past 6 rows the products are bound by
-arithmetic (AVX2's peak, 32 FLOP a cycle a core, makes 9 rows of 368 MB about as long as streaming them once),
-and from 64 rows it runs at oneDNN's rate (111 against 101 GFLOP/s).
+products (368 MB) took 15.6 ms at one row and 26.9-33.1 ms at 2-9 rows, where this kernel takes 13.1 ms and
+13.4-20.7 ms (`python scripts/f32_rows.py --threads 2`, docs/results/f32_rows_zen3.json). Blocks of up to 6
+rows take a weight group's inputs chunk by chunk, all blocks one chunk before the next, so the group streams
+from memory once while every block multiplies by it; from about 9 rows the products are bound by AVX2's
+arithmetic (32 FLOP a cycle a core), and at 256 rows it runs 158 GFLOP/s against oneDNN's 122. Rows come in
+tiles of 48, so a pass over thousands of rows (log-probs) rereads the weights per tile and runs at oneDNN's
+rate.
 
 Each output element is one float32 sum over the inputs in order, whatever the number of rows, so a row's
 result does not depend on how many rows are multiplied (oneDNN's float32 kernels round differently by
-row count): a verification forward's rows equal the one-token step's bit for bit.
+row count): a verification's products give each row what the one-token step's do, bit for bit.
 
 `preferred()`: the kernel takes large float32 weights (packed.should_pack) on CPUs with AVX2 and FMA but
 no AVX-512, where it was measured; CPUs with AVX-512 keep oneDNN's float32 products. The extension is built
@@ -39,19 +40,10 @@ _reason: str | None = None
 _warned = False
 
 
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, None where there is none (not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 def preferred() -> bool:
-    """Whether large float32 weights should take this kernel here: AVX2 and FMA without AVX-512."""
-    flags = _cpu_flags()
+    """Whether large float32 weights should take this kernel here: AVX2 and FMA without AVX-512 (measured on a
+    Zen 3 EPYC only)."""
+    flags = cpu_kernels.cpu_flags()
     return flags is not None and {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
@@ -60,7 +52,7 @@ def _load():
     if os.environ.get(cpu_kernels.ENV, "1") == "0":
         _reason = f"{cpu_kernels.ENV}=0"
         return None
-    flags = _cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     if flags is not None and not {"avx2", "fma"} <= flags:
         _reason = "this CPU has no AVX2 and FMA"
         return None
@@ -89,4 +81,4 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     groups = -(-N // GROUP)
     padded = F.pad(weight.detach().float(), (0, 0, 0, groups * GROUP - N))
-    return padded.view(groups, GROUP, K).transpose(1, 2).contiguous()
+    return padded.reshape(groups, GROUP, K).transpose(1, 2).contiguous()

@@ -50,12 +50,19 @@ _reason: str | None = None  # why the kernels are unavailable, once known
 _warned = False
 
 
-def _cpu_has_bf16() -> bool:
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, None where there is none (not Linux)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return True  # not Linux: let the compiled probe decide
-    return "avx512_bf16" in flags
+        return None
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _cpu_has_bf16() -> bool:
+    flags = cpu_flags()
+    return flags is None or "avx512_bf16" in flags  # not Linux: the compiled probe decides
 
 
 def _load():

@@ -14,8 +14,9 @@ bytes of weight it streams. Without gradients the layer runs on weights prepared
     (tlt/model/cpu_kernels.py), whose rms norm, q/k norm with RoPE and cache write, and attention over
     the cache then replace the operators (`F.rms_norm` 5-60 us a call, SDPA ~110 us at one
     token); prepacked oneDNN weights where the weight streams from memory (bf16 without the kernel where
-    oneDNN packs bf16, large float32); MKL's column-major layout otherwise (PyTorch's plain bf16 products on an
-    AVX2-only CPU);
+    oneDNN packs bf16, large float32), except large float32 on a CPU without AVX-512, which takes tlt's
+    AVX2 kernel (tlt/model/cpu_f32.py); MKL's column-major layout otherwise (PyTorch's plain bf16 products
+    on an AVX2-only CPU);
   - where all four products and the attention run on the kernels, the whole layer is one call of them
     (`layer_step`): the ten Python-level calls it replaces cost 60-90 us a layer, 0.7-1 ms of a
     12-layer one-token step of ~9 ms.

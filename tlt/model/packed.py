@@ -38,7 +38,7 @@ from tlt.model.layout import laid_out
 PACK_MIN_BYTES = 1 << 20  # float32 weights smaller than this stay in MKL's column-major layout
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 ONE_ROW_PAD = 4  # rows a single bf16 row is multiplied as on oneDNN (`PackedLinear._padded`)
-KERNELS = True  # bf16 products on tlt's kernel where it runs (tests turn it off to take the other paths)
+KERNELS = True  # products on tlt's kernels where they run (tests turn them off to take the other paths)
 F32_KERNEL = cpu_f32.preferred()  # large float32 weights on tlt's AVX2 kernel: CPUs without AVX-512 (tests force it)
 
 
@@ -77,11 +77,12 @@ def kernels_for(weight: torch.Tensor):
 
 
 def f32_kernel_for(weight: torch.Tensor):
-    """tlt's float32 kernel (cpu_f32) for products with `weight` [out, in], or None: it takes the float32 weights
-    that would be packed for oneDNN, on CPUs without AVX-512 (F32_KERNEL)."""
-    if not (KERNELS and F32_KERNEL) or weight.dtype != torch.float32 or not should_pack(weight):
+    """tlt's float32 kernel (cpu_f32) for products with `weight` [out, in], or None: it takes float32 CPU weights of
+    at least PACK_MIN_BYTES (those packed for oneDNN elsewhere; it needs no oneDNN) on CPUs without AVX-512
+    (F32_KERNEL)."""
+    if not (KERNELS and F32_KERNEL) or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    return cpu_f32.kernels()
+    return cpu_f32.kernels() if weight.numel() * weight.element_size() >= PACK_MIN_BYTES else None
 
 
 class PackedLinear:
@@ -96,17 +97,14 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels_for(weight)
         self.f32_kernel = f32_kernel_for(weight)
-        self.packed = self.kernels is not None or should_pack(weight)
+        self.packed = self.kernels is not None or self.f32_kernel is not None or should_pack(weight)
         self.scales = None  # of 4-bit weights
         if self.f32_kernel is not None:
             self.weight, self.weight_t = cpu_f32.pack(weight), None
-            bias = None if bias is None else bias.float().contiguous()
         elif self.kernels is not None and bits == 4:
             (self.weight, self.scales), self.weight_t = cpu_kernels.pack4(weight), None
-            bias = None if bias is None else bias.float().contiguous()
         elif self.kernels is not None:
             self.weight, self.weight_t = cpu_kernels.pack(weight), None
-            bias = None if bias is None else bias.float().contiguous()
         elif self.packed:
             # The batch-size hint only picks the reorder's blocking; 1 serves decode rows best.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
@@ -114,6 +112,8 @@ class PackedLinear:
         else:
             self.weight = laid_out(weight)
             self.weight_t = self.weight.t()  # [in, out], for addmm
+        if bias is not None and (self.kernels is not None or self.f32_kernel is not None):
+            bias = bias.float().contiguous()  # the kernels add a float32 bias
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@
 // A block of up to 6 rows times one group keeps 12 accumulators in registers; every weight read serves all
 // rows of the block. The blocks of rows take a group's inputs in chunks of 128, all blocks one chunk before
 // the next, so the group streams from memory once while every block multiplies by it (from L1), and a
-// product over a few rows costs about what streaming the weight once does, until arithmetic bounds it.
+// product over a few rows costs about what streaming the weight once does, until arithmetic bounds it. Rows
+// come in tiles of 48, each multiplied by every group in turn, so many rows (a log-prob pass) reread the
+// weights per tile rather than their inputs per group.
 //
 // Each output element is one float32 accumulator summed over k in order (one fused multiply-add per k),
 // whatever the number of rows or the block a row falls in: a row's result does not depend on how many
@@ -27,6 +29,7 @@ constexpr int64_t GROUP = 16;  // output columns per packed group
 constexpr int64_t BLOCK = 6;   // rows per register block: 12 accumulators, 2 weights, 1 broadcast
 
 constexpr int64_t CHUNK = 128;  // inputs per pass of every row block over a group (8 KB of its weights)
+constexpr int64_t TILE = 48;    // rows multiplied by every group before the next rows: x's rows stay in cache
 
 // Partial sums acc[r, 0:16] (row stride 16) of rows r < R of x go on over inputs k0 <= k < k1 of one group's
 // weights w [K, 16]. The accumulators are named variables, not an array, so that the compiler keeps all 12 in
@@ -110,6 +113,7 @@ bool supported() { return cpu_has_avx2_fma(); }
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(supported(), "cpu_f32.linear: this CPU has no AVX2 and FMA");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "cpu_f32.linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: 2-D float32 rows with contiguous columns");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == GROUP && packed.is_contiguous() && packed.scalar_type() == torch::kFloat,
               "packed: [groups, K, 16] float32, contiguous");
@@ -118,14 +122,16 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   TORCH_CHECK(N >= 1 && (N + GROUP - 1) / GROUP == G, "N = ", N, " does not fill ", G, " groups of ", GROUP);
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat, "bias: [N] float32");
+    TORCH_CHECK(bias->is_cpu() && bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat,
+                "bias: [N] float32 on the CPU");
     b = bias->data_ptr<float>();
   }
   const float* res = nullptr;
   int64_t ldr = 0;
   if (residual.has_value() && residual->defined()) {
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N && residual->stride(1) == 1 &&
-                residual->scalar_type() == torch::kFloat, "residual: [M, N] float32 with contiguous columns");
+    TORCH_CHECK(residual->is_cpu() && residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N &&
+                residual->stride(1) == 1 && residual->scalar_type() == torch::kFloat,
+                "residual: [M, N] float32 with contiguous columns on the CPU");
     res = residual->data_ptr<float>();
     ldr = residual->stride(0);
   }
@@ -135,15 +141,21 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Each thread takes a contiguous run of groups (one stream of weights) and all rows for each.
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> acc(M * GROUP);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t c0 = g * GROUP;
-      group(M, K, xp, ldx, wp + g * K * GROUP, b ? b + c0 : nullptr, res ? res + c0 : nullptr, ldr, op + c0, N,
-            std::min(GROUP, N - c0), acc.data());
-    }
-  });
+  // Tiles of rows, each multiplied by every group; within a tile each thread takes a contiguous run of groups
+  // (one stream of weights) and all the tile's rows for each. Up to TILE rows (every decode step of a small
+  // batch) the weights stream once; past it each tile streams them again, and its arithmetic, not the stream,
+  // bounds it.
+  for (int64_t t0 = 0; t0 < M; t0 += TILE) {
+    const int64_t rows = std::min(TILE, M - t0);
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      std::vector<float> acc(rows * GROUP);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t c0 = g * GROUP;
+        group(rows, K, xp + t0 * ldx, ldx, wp + g * K * GROUP, b ? b + c0 : nullptr,
+              res ? res + t0 * ldr + c0 : nullptr, ldr, op + t0 * N + c0, N, std::min(GROUP, N - c0), acc.data());
+      }
+    });
+  }
   return out;
 }
 
