@@ -102,3 +102,22 @@ def test_without_the_kernel_a_warning_names_the_reason_once(monkeypatch):
         assert cpu_f32.kernels() is None and cpu_f32.kernels() is None
     messages = [str(w.message) for w in caught if "float32 CPU kernel" in str(w.message)]
     assert len(messages) == 1 and "TLT_CPU_KERNELS=0" in messages[0] and "oneDNN" in messages[0]
+
+
+@pytest.mark.parametrize("D", [8, 48, 61])
+def test_rms_norm_equals_pytorchs_per_row(module, D):
+    """Over the last dimension, with no weight, one weight, or one per middle index (q/k heads); on a slice with
+    strided rows too; a row's result does not depend on the rows beside it."""
+    gen = torch.Generator().manual_seed(D)
+    x = torch.randn(3, 5, D, generator=gen) * 3
+    one, per_head = torch.randn(D, generator=gen), torch.randn(5, D, generator=gen)
+    ref = torch.nn.functional.rms_norm(x, (D,), None, 1e-6)
+    assert torch.allclose(module.rms_norm(x, None, 1e-6), ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(module.rms_norm(x, one, 1e-6), ref * one, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(module.rms_norm(x, per_head, 1e-6), ref * per_head, rtol=1e-5, atol=1e-6)
+    wide = torch.randn(3, 7, D, generator=gen)
+    wide[:, :5] = x
+    assert torch.equal(module.rms_norm(wide[:, :5], per_head, 1e-6), module.rms_norm(x, per_head, 1e-6))
+    assert torch.equal(module.rms_norm(x[1:2, 2:4].contiguous(), None, 1e-6), module.rms_norm(x, None, 1e-6)[1:2, 2:4])
+    with pytest.raises(RuntimeError, match="weight"):
+        module.rms_norm(x, torch.randn(D + 1), 1e-6)

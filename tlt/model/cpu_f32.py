@@ -11,6 +11,9 @@ arithmetic (32 FLOP a cycle a core), and at 256 rows it runs 158 GFLOP/s against
 tiles of 48, so a pass over thousands of rows (log-probs) rereads the weights per tile and runs at oneDNN's
 rate.
 
+On that path the layer's rms norms take the kernel's `rms_norm` too (tlt/model/fused.py): a few microseconds a
+call where `F.rms_norm`'s operators take 50-95 (`python scripts/profile_forward_ops.py`).
+
 Each output element is one float32 sum over the inputs in order, whatever the number of rows, so a row's
 result does not depend on how many rows are multiplied (oneDNN's float32 kernels round differently by
 row count): a verification's products give each row what the one-token step's do, bit for bit.
@@ -64,7 +67,8 @@ def _load():
 
 
 def kernels():
-    """The compiled module (`linear`), or None where it cannot run (the first None warns with the reason)."""
+    """The compiled module (`linear`, `rms_norm`), or None where it cannot run (the first None warns with the
+    reason)."""
     global _warned
     if _module is None and _reason is None:
         _load()

@@ -135,15 +135,21 @@ class FusedWeights:
 
 def _normed(x: torch.Tensor, eps: float, kernels=None) -> torch.Tensor:
     """x [N, C] / rms(x) over the last dim, in x's dtype (bf16 is normalised in float32), on the kernels'
-    rms norm when given."""
+    rms norm when given (`_norms`)."""
     if kernels is not None:
         return kernels.rms_norm(x[None], None, eps)[0]
     return F.rms_norm(x, x.shape[-1:], None, eps)
 
 
+def _norms(fused: FusedWeights):
+    """The kernels whose rms norm the layer's operator path takes: tlt's bf16 kernels, or its float32 kernel where
+    the products run on it (F.rms_norm's operators cost 50-95 us a call there, these a few), else None."""
+    return fused.qkv.kernels or fused.qkv.f32_kernel
+
+
 def _qk_normed(fused: FusedWeights, qk: torch.Tensor) -> torch.Tensor:
     """The per-head q/k norm of qk [B, T, H + H_kv, D] with its weights."""
-    kernels = fused.qkv.kernels
+    kernels = _norms(fused)
     if kernels is None:
         return F.rms_norm(qk, qk.shape[-1:], None, fused.qk_eps) * fused.qk_norm
     B, T, heads, D = qk.shape
@@ -174,7 +180,7 @@ def fused_layer_step(fused: FusedWeights, x: torch.Tensor, cos: torch.Tensor, si
     if counts is not None:
         raise ValueError("fused_layer_step: packed tokens (counts) run on the kernels' layer step only")
     B, T, hidden = x.shape
-    kernels = fused.qkv.kernels
+    kernels = _norms(fused)
     x2 = x.reshape(B * T, hidden)
     qkv = fused.qkv(x2 if fused.input_eps is None else _normed(x2, fused.input_eps, kernels)).view(B, T, H + 2 * Hkv, D)
     qk = qkv[:, :, : H + Hkv]  # [B, T, H + H_kv, D]

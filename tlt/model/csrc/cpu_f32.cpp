@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #define TARGET __attribute__((target("avx2,fma")))
@@ -159,8 +160,69 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   return out;
 }
 
+namespace {
+
+// One row's x * rsqrt(mean(x^2) + eps) (* w): the squares summed in 8 lanes in order, then across the lanes in
+// order, so a row's result does not depend on the rows beside it.
+TARGET void norm_row(const float* x, const float* w, int64_t D, float eps, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 v = _mm256_loadu_ps(x + d);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = 0.0f;
+  for (int i = 0; i < 8; ++i) sum += lanes[i];
+  for (; d < D; ++d) sum += x[d] * x[d];
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  d = 0;
+  for (; d + 8 <= D; d += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + d), rv);
+    if (w) v = _mm256_mul_ps(v, _mm256_loadu_ps(w + d));
+    _mm256_storeu_ps(out + d, v);
+  }
+  for (; d < D; ++d) out[d] = w ? x[d] * r * w[d] : x[d] * r;
+}
+
+}  // namespace
+
+// x [A, R, D] float32 (each row of D contiguous) normalised over D, times weight [D] or [R, D] (per r) when given;
+// the result is contiguous.
+torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& weight, double eps) {
+  TORCH_CHECK(supported(), "cpu_f32.rms_norm: this CPU has no AVX2 and FMA");
+  TORCH_CHECK(x.is_cpu() && x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1,
+              "rms_norm: x must be [A, R, D] float32 with contiguous rows, on the CPU");
+  const int64_t A = x.size(0), R = x.size(1), D = x.size(2);
+  const float* w = nullptr;
+  int64_t per_row = 0;
+  if (weight.has_value() && weight->defined()) {
+    TORCH_CHECK(weight->is_cpu() && weight->scalar_type() == torch::kFloat && weight->is_contiguous() &&
+                (weight->numel() == D || weight->numel() == R * D), "rms_norm: weight must be [D] or [R, D] float32");
+    w = weight->data_ptr<float>();
+    per_row = weight->numel() == D ? 0 : D;
+  }
+  auto out = torch::empty({A, R, D}, x.options());
+  const int64_t sa = x.stride(0), sr = x.stride(1);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  // A row is a few microseconds of work: threads only for many rows.
+  at::parallel_for(0, A * R, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(D, 1)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t a = i / R, r = i % R;
+      norm_row(xp + a * sa + r * sr, w ? w + r * per_row : nullptr, D, e, op + i * D);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported);
   m.def("linear", &linear, "x @ W^T (+ bias) (+ residual) on a weight packed in groups of 16 columns",
         py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("rms_norm", &rms_norm, "x / rms(x) over the last dimension (* weight)", py::arg("x"), py::arg("weight"),
+        py::arg("eps"));
 }
