@@ -112,18 +112,15 @@ class PackedLinear:
         else:
             self.weight = laid_out(weight)
             self.weight_t = self.weight.t()  # [in, out], for addmm
-        if bias is not None and (self.kernels is not None or self.f32_kernel is not None):
+        self.on_kernel = self.kernels is not None or self.f32_kernel is not None
+        if bias is not None and self.on_kernel:
             bias = bias.float().contiguous()  # the kernels add a float32 bias
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if self.kernels is not None:
-            rows = _rows(x.reshape(-1, self.in_features))
-            out = self.kernels.linear(rows, self.weight, self.out_features, self.bias, None, self.scales)
-            return out.view(*x.shape[:-1], self.out_features)
-        if self.f32_kernel is not None:
-            out = self.f32_kernel.linear(_rows(x.reshape(-1, self.in_features)), self.weight, self.out_features, self.bias)
+        if self.on_kernel:
+            out = self._kernel_linear(_rows(x.reshape(-1, self.in_features)), None)
             return out.view(*x.shape[:-1], self.out_features)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
@@ -134,15 +131,19 @@ class PackedLinear:
     def add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight^T (+ bias), both 2-D: residual [N, out], x [N, in]; the sum is formed
         inside the product."""
-        if self.kernels is not None:
-            return self.kernels.linear(_rows(x), self.weight, self.out_features, self.bias, _rows(residual), self.scales)
-        if self.f32_kernel is not None:
-            return self.f32_kernel.linear(_rows(x), self.weight, self.out_features, self.bias, _rows(residual))
+        if self.on_kernel:
+            return self._kernel_linear(_rows(x), _rows(residual))
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(self._padded(x), self._padded(residual), self.weight, self.bias, "add")
             return out[: x.shape[0]]
         out = torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)
+
+    def _kernel_linear(self, rows: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """rows [N, in] @ weight^T (+ bias) (+ residual [N, out]) on tlt's kernel: the bf16 one, or the float32 one."""
+        if self.kernels is not None:
+            return self.kernels.linear(rows, self.weight, self.out_features, self.bias, residual, self.scales)
+        return self.f32_kernel.linear(rows, self.weight, self.out_features, self.bias, residual)
 
     def _padded(self, rows: torch.Tensor) -> torch.Tensor:
         """A single bf16 row repeated ONE_ROW_PAD times: oneDNN's one-row bf16 kernel streams the weight
