@@ -62,6 +62,14 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
             record["tlt_kernel_256_rows_gflop_s"] / record["bandwidth_before_gb_s"])
     if kernels is None or not kernels.amx():
         assert "amx_tile_peak_gflop_s" not in record
+    from tlt.model import cpu_f32, packed
+
+    if dtype == "float32" and packed.F32_KERNEL and cpu_f32.kernels() is not None:  # a CPU without AVX-512
+        assert record["tlt_kernel_1_row_gb_s"] > 0 and record["tlt_kernel_256_rows_gflop_s"] > 0
+        assert record["tlt_kernel_balance_rows"] == pytest.approx(  # R / 2 FLOP per float32 byte
+            2 * record["tlt_kernel_256_rows_gflop_s"] / record["bandwidth_before_gb_s"])
+    elif dtype == "float32":
+        assert "tlt_kernel_1_row_gb_s" not in record
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: tlt's kernels, their layer step one call at a time

@@ -147,6 +147,8 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
             # over more tokens costs more (speculation's verification stops being free). Bandwidth: the read
             # before the forwards (bandwidth_before_gb_s in the record).
             out["tlt_kernel_balance_rows"] = out["tlt_kernel_256_rows_gflop_s"] / bandwidth
+        elif f32 is not None:  # R rows: R multiply-adds per float32 weight (4 bytes), R / 2 FLOP per byte
+            out["tlt_kernel_balance_rows"] = 2 * out["tlt_kernel_256_rows_gflop_s"] / bandwidth
     return out
 
 
