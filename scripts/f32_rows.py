@@ -1,4 +1,4 @@
-"""Time float32 products over 1-64 rows on the bench policy's weight shapes (12 layers: q|k|v, o, gate|up, down;
+"""Time float32 products over 1-1024 rows on the bench policy's weight shapes (12 layers: q|k|v, o, gate|up, down;
 368 MB, beyond the last-level cache) by kernel: PyTorch's plain products (MKL), oneDNN's prepacked weights, and
 tlt's AVX2 kernel (tlt/model/cpu_f32.py) where it builds. Prints milliseconds for all 48 products, the weight
 bytes streamed a second and the arithmetic rate, medians of --repeats; --json writes them.
@@ -8,15 +8,22 @@ bytes streamed a second and the arithmetic rate, medians of --repeats; --json wr
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from tlt.bench.roofline import _median_seconds
 from tlt.model import cpu_f32
+from tlt.sft import PRESETS
 
-SHAPES = [(1536, 768), (768, 768), (5120, 768), (768, 2560)] * 12  # the bench preset's products, [out, in]
+
+def bench_shapes() -> list[tuple[int, int]]:
+    """The bench preset's products, [out, in] each: q|k|v, o, gate|up and down of every layer."""
+    p = PRESETS["bench"]
+    hidden, heads = p["hidden_size"], p["num_attention_heads"] + 2 * p["num_key_value_heads"]
+    layer = [(heads * p["head_dim"], hidden), (hidden, p["num_attention_heads"] * p["head_dim"]),
+             (2 * p["intermediate_size"], hidden), (hidden, p["intermediate_size"])]
+    return layer * p["num_hidden_layers"]
 
 
 def main() -> None:
@@ -28,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in SHAPES]
+    weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in bench_shapes()]
     nbytes = sum(w.numel() * 4 for w in weights)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
     module = cpu_f32.kernels()
@@ -48,13 +55,7 @@ def main() -> None:
             xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
             record = {"rows": rows}
             for name in names:
-                products(name, xs)  # warm
-                times = []
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    products(name, xs)
-                    times.append(time.perf_counter() - start)
-                seconds = statistics.median(times)
+                seconds = _median_seconds(lambda: products(name, xs), args.repeats)  # after one untimed call
                 record[name] = {"ms": seconds * 1e3, "gb_s": nbytes / seconds / 1e9,
                                 "gflop_s": 2 * rows * nbytes / 4 / seconds / 1e9}
             rows_out.append(record)

@@ -1,13 +1,23 @@
 """tlt's float32 CPU kernel (tlt/model/cpu_f32.py): products against PyTorch's on uneven shapes, rows that do not
 depend on how many are multiplied, its checks, and where it is chosen."""
 
+import os
 import warnings
 
 import pytest
 import torch
 
 import tlt.model.packed as packed
-from tlt.model import cpu_f32
+from tlt.model import cpu_f32, cpu_kernels
+
+
+def test_the_kernel_loads_where_the_cpu_runs_it():
+    """Where the CPU has AVX2 and FMA and the kernels are not turned off, it builds and loads: a compile error would
+    otherwise turn every test below into a skip."""
+    flags = cpu_kernels.cpu_flags() or {"avx2", "fma"}  # not Linux: the module's own probe decides
+    if os.environ.get(cpu_kernels.ENV, "1") == "0" or not {"avx2", "fma"} <= flags:
+        pytest.skip("this CPU has no AVX2 and FMA, or TLT_CPU_KERNELS=0")
+    assert cpu_f32.kernels() is not None, cpu_f32._reason
 
 
 @pytest.fixture(scope="module")

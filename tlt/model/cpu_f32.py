@@ -26,7 +26,6 @@ as tlt's bf16 kernels are (tlt/model/cpu_kernels.py: ~30 s once, cached); where 
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
@@ -52,18 +51,9 @@ def preferred() -> bool:
 
 def _load():
     global _module, _reason
-    if os.environ.get(cpu_kernels.ENV, "1") == "0":
-        _reason = f"{cpu_kernels.ENV}=0"
-        return None
-    flags = cpu_kernels.cpu_flags()
-    if flags is not None and not {"avx2", "fma"} <= flags:
-        _reason = "this CPU has no AVX2 and FMA"
-        return None
-    module, _reason = cpu_kernels.compiled(SOURCE, "tlt_cpu_f32")
-    if module is not None and not module.supported():
-        module, _reason = None, "this CPU has no AVX2 and FMA"
-    _module = module
-    return module
+    _module, _reason = cpu_kernels.load_extension(SOURCE, "tlt_cpu_f32", {"avx2", "fma"},
+                                                  "this CPU has no AVX2 and FMA")
+    return _module
 
 
 def kernels():

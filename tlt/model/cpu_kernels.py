@@ -60,27 +60,25 @@ def cpu_flags() -> set[str] | None:
     return set(line.partition(":")[2].split())
 
 
-def _cpu_has_bf16() -> bool:
-    flags = cpu_flags()
-    return flags is None or "avx512_bf16" in flags  # not Linux: the compiled probe decides
-
-
 def _load():
     global _module, _reason
+    _module, _reason = load_extension(SOURCE, "tlt_cpu_bf16", {"avx512_bf16"}, "this CPU has no AVX-512 BF16")
+    return _module
+
+
+def load_extension(source: Path, prefix: str, needs: set[str], lacking: str):
+    """(the extension built from `source`, None), or (None, why it cannot run): `ENV`=0, a CPU without the flags
+    `needs` (`lacking` says so; where /proc/cpuinfo is missing the module's own `supported()` decides), a failed
+    build."""
     if os.environ.get(ENV, "1") == "0":
-        _reason = f"{ENV}=0"
-        return None
-    if not _cpu_has_bf16():
-        _reason = "this CPU has no AVX-512 BF16"
-        return None
-    module, _reason = compiled(SOURCE, "tlt_cpu_bf16")
+        return None, f"{ENV}=0"
+    flags = cpu_flags()
+    if flags is not None and not needs <= flags:
+        return None, lacking
+    module, reason = compiled(source, prefix)
     if module is None:
-        return None
-    if not module.supported():
-        _reason = "this CPU has no AVX-512 BF16"
-        return None
-    _module = module
-    return module
+        return None, reason
+    return (module, None) if module.supported() else (None, lacking)
 
 
 def compiled(source: Path, prefix: str):
