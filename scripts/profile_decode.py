@@ -1,10 +1,12 @@
-"""Where decoding time goes: the default model's decode loop under a sampling profiler.
+"""Where decoding time goes: a model's decode loop under a sampling profiler.
 
     pip install py-spy
     python scripts/profile_decode.py --strategy tree-d4-k2-v8 --prompts 16
     python scripts/profile_decode.py --strategy adaptive --prompts 16 --batch 16 --samples 8
+    python scripts/profile_decode.py --model bench --dtype float32 --prompts 4
 
-runs the built-in task's eval prompts (temperature 1.0) under `py-spy record`: by default one after
+runs a task's eval prompts (temperature 1.0) under `py-spy record`; `--model` (default: the default model)
+answers its own workload as the benches do (the bench policy: the bench task, its drafter and budget): by default one after
 another (the `tlt bench speculative` workload at batch 1); with `--batch B --samples G`, B prompts per
 `generate` call with G samples each (16 x 8 is the `tlt bench rollout` workload). `--strategy` is
 `off`, `adaptive` or a strategy name. It prints, as shares of the decode steps' samples: the
@@ -25,27 +27,30 @@ import tempfile
 from pathlib import Path
 
 
-def workload(strategy: str, prompts: int, threads: int, batch: int, samples: int) -> None:
+def workload(args: argparse.Namespace) -> None:
     import torch
 
-    from tlt.bench import engine_config
+    from tlt.bench import engine_config, fill_workload_defaults
     from tlt.model import load_model
     from tlt.model.checkpoint import resolve_model_path
     from tlt.rollout import RolloutEngine, SamplingParams
     from tlt.speculative import Drafter
-    from tlt.tasks import ArithmeticTask
+    from tlt.tasks import get_task
     from tlt.tokenizer import load_tokenizer
 
-    torch.set_num_threads(threads)
-    folder = resolve_model_path("default")
-    model, tokenizer = load_model(folder), load_tokenizer(folder)
-    drafter = None if strategy == "off" else Drafter.load("default", model)
-    engine = RolloutEngine(model, config=engine_config(strategy, drafter, progress=False))
-    ids = [tokenizer.encode(p.prompt) for p in ArithmeticTask().sample(prompts, seed=0, split="eval")]
+    torch.set_num_threads(args.threads)
+    fill_workload_defaults(args)
+    folder = resolve_model_path(args.model)
+    model, tokenizer = load_model(folder, dtype=args.dtype), load_tokenizer(folder)
+    drafter = None if args.strategy == "off" else Drafter.load(args.drafter, model)
+    engine = RolloutEngine(model, config=engine_config(args.strategy, drafter, progress=False))
+    ids = [tokenizer.encode(p.prompt) for p in get_task(args.task).sample(args.prompts, seed=0, split="eval")]
+    batch = args.batch
     with torch.inference_mode():
         for start in range(0, len(ids), batch):
             chunk = ids[start : start + batch]
-            params = [SamplingParams(n=samples, temperature=1.0, max_tokens=640, seed=start + i) for i in range(len(chunk))]
+            params = [SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_tokens, seed=start + i)
+                      for i in range(len(chunk))]
             engine.generate(chunk, params, use_tqdm=False)
 
 
@@ -102,6 +107,11 @@ def summarize(raw: Path, top: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="tree-d4-k2-v8", help="'off', 'adaptive' or a strategy name")
+    parser.add_argument("--model", default="default", help="'default', 'bench' or a model folder")
+    parser.add_argument("--drafter", help="drafter folder (default: the model's own)")
+    parser.add_argument("--task", help="built-in task (default: the model's own)")
+    parser.add_argument("--max-tokens", type=int, help="response budget (default: the task's longest solution)")
+    parser.add_argument("--dtype", default=None, help="decode dtype (default: the model's)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     parser.add_argument("--samples", type=int, default=1, help="samples per prompt")
@@ -112,15 +122,16 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        workload(args.strategy, args.prompts, args.threads, args.batch, args.samples)
+        workload(args)
         return
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))  # or the venv's
     if spy is None:
         sys.exit("py-spy is not installed: pip install py-spy")
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(args.raw) if args.raw else Path(tmp) / "stacks.txt"
-        child = [sys.executable, __file__, "--child", "--strategy", args.strategy, "--prompts", str(args.prompts),
-                 "--threads", str(args.threads), "--batch", str(args.batch), "--samples", str(args.samples)]
+        passed = {k: v for k, v in vars(args).items() if v is not None and k not in ("rate", "top", "raw", "child")}
+        child = [sys.executable, __file__, "--child", *[x for k, v in passed.items()
+                                                         for x in (f"--{k.replace('_', '-')}", str(v))]]
         subprocess.run([spy, "record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--", *child], check=True)
         summarize(raw, args.top)
 

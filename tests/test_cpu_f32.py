@@ -83,6 +83,43 @@ def test_it_checks_its_inputs(module):
     assert module.linear(torch.randn(0, 8), p, 20, None, None).shape == (0, 20)
 
 
+@pytest.mark.parametrize("N,K", [(16, 128), (40, 256), (100, 96), (33, 37), (250, 640)])
+def test_4bit_products_are_the_float32_products_by_the_unpacked_weight(module, N, K):
+    """pack4 rounds each column and k-group to 16 levels (k-groups of 128, 64 or 32, else all of K); the kernel's
+    product by the codes is its float32 product by the weight they stand for, bit for bit, at every row count,
+    with bias and residual, and a row's result does not depend on the rows beside it."""
+    gen = torch.Generator().manual_seed(N + K)
+    w, bias = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    codes, scales = cpu_f32.pack4(w)
+    kgroup = next((g for g in (128, 64, 32) if K % g == 0), K)
+    assert codes.shape == (-(-N // 16), K, 8) and codes.dtype == torch.uint8
+    assert scales.shape == (-(-N // 16), K // kgroup, 2, 16)
+    rounded = cpu_f32.unpack4(codes, scales, N)
+    # each value within half a level of the weight: a level is (max - min) / 15 of its column's k-group
+    spread = w.view(N, K // kgroup, kgroup).aminmax(dim=-1)
+    level = ((spread.max - spread.min) / 15).repeat_interleave(kgroup, dim=1)
+    assert ((rounded - w).abs() <= level / 2 + 1e-5).all()
+    assert len(torch.unique(rounded[0, :kgroup])) <= 16
+    plain = cpu_f32.pack(rounded)
+    x, residual = torch.randn(40, K, generator=gen), torch.randn(40, N, generator=gen)
+    full = module.linear(x, codes, N, bias, residual, scales)
+    assert torch.equal(full, module.linear(x, plain, N, bias, residual))
+    assert torch.allclose(full, x @ rounded.T + bias + residual, rtol=1e-4, atol=1e-4 * K ** 0.5)
+    for start, stop in ((0, 1), (3, 5), (6, 13), (20, 40)):
+        assert torch.equal(module.linear(x[start:stop], codes, N, bias, residual[start:stop], scales), full[start:stop])
+
+
+def test_4bit_weights_check_their_scales(module):
+    codes, scales = cpu_f32.pack4(torch.randn(20, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="4-bit codes"):
+        module.linear(x, cpu_f32.pack(torch.randn(20, 64)), 20, None, None, scales)
+    with pytest.raises(RuntimeError, match="float32, contiguous"):
+        module.linear(x, codes, 20, None, None)  # codes without their scales
+    with pytest.raises(RuntimeError, match="scales"):
+        module.linear(x, codes, 20, None, None, scales[:, :, :1].contiguous())
+
+
 @pytest.mark.parametrize("flags,chosen", [({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f"}, False),
                                           ({"avx"}, False), (None, False)])
 def test_it_is_preferred_on_avx2_cpus_without_avx512(monkeypatch, flags, chosen):
@@ -101,6 +138,20 @@ def test_packed_linear_takes_it_for_large_float32_weights_only(module, monkeypat
     assert packed.PackedLinear(large.bfloat16()).f32_kernel is None
     monkeypatch.setattr(packed, "F32_KERNEL", False)
     assert packed.PackedLinear(large).f32_kernel is None and packed.PackedLinear(large).packed == packed.ONEDNN
+
+
+def test_a_drafters_4bit_weights_take_it(module, monkeypatch):
+    """bits=4 (Drafter.set_weight_bits) packs a large float32 weight as 4-bit codes: an eighth of the bytes; small
+    weights keep their float32 values."""
+    monkeypatch.setattr(packed, "F32_KERNEL", True)
+    large = torch.randn(packed.PACK_MIN_BYTES // 4 // 64 + 16, 64)
+    four = packed.PackedLinear(large, bits=4)
+    assert four.on_kernel and four.weight.dtype == torch.uint8
+    assert four.weight.numel() * 8 == large.numel() * large.element_size()  # bytes
+    x = torch.randn(3, 64)
+    rounded = cpu_f32.unpack4(four.weight, four.scales, large.shape[0])
+    assert torch.equal(four(x), packed.PackedLinear(rounded)(x))
+    assert packed.PackedLinear(torch.randn(32, 64), bits=4).scales is None
 
 
 def test_without_the_kernel_a_warning_names_the_reason_once(monkeypatch):

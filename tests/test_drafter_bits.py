@@ -10,17 +10,29 @@ from tlt.errors import ConfigError
 from tlt.model import cpu_kernels
 from tlt.speculative import Drafter
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.kernels() is None,
-                                   reason="tlt's bf16 CPU kernels do not run on this machine")
+import tlt.model.packed as packed
+from tlt.model import cpu_f32
 
 
-@pytest.fixture(scope="module")
-def default_bf16():
+@pytest.fixture(params=["bf16 kernels", "float32 kernel"])
+def default_model(request, monkeypatch):
+    """The default model on one of tlt's CPU kernels that take 4-bit weights: bf16 (AVX-512 CPUs), or float32 with
+    every weight on the AVX2 float32 kernel (as a large model's on CPUs without AVX-512)."""
     from tlt.model.checkpoint import resolve_model_path
     from tlt.tasks import get_task
     from tlt.tokenizer import load_tokenizer
 
-    model = tlt.load_model("default", dtype=torch.bfloat16).eval()
+    if request.param == "bf16 kernels":
+        if cpu_kernels.kernels() is None:
+            pytest.skip("tlt's bf16 CPU kernels do not run on this machine")
+        dtype = torch.bfloat16
+    else:
+        if cpu_f32.kernels() is None:
+            pytest.skip("tlt's float32 CPU kernel does not run on this machine")
+        monkeypatch.setattr(packed, "F32_KERNEL", True)
+        monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
+        dtype = torch.float32
+    model = tlt.load_model("default", dtype=dtype).eval()
     tokenizer = load_tokenizer(resolve_model_path("default"))
     return model, [tokenizer.encode(p.prompt) for p in get_task("arithmetic").sample(3, seed=0, split="eval")]
 
@@ -33,11 +45,10 @@ def generate(model, prompts, params, drafter=None, bits=16, strategy="tree-d4-k2
     return [c.token_ids for o in outputs for c in o.outputs], engine.stats().get("acceptance_length")
 
 
-@needs_kernels
-def test_a_four_bit_drafter_drafts_nearly_as_well_and_the_samples_stay_plain_decodings(default_bf16):
-    """The default model and drafter in bf16: greedy and T = 1 sampling (target-only tree verification)
+def test_a_four_bit_drafter_drafts_nearly_as_well_and_the_samples_stay_plain_decodings(default_model):
+    """The default model and drafter on each kernel: greedy and T = 1 sampling (target-only tree verification)
     give plain decoding's tokens with the 4-bit drafter, which accepts about as much as the 16-bit one."""
-    model, prompts = default_bf16
+    model, prompts = default_model
     for temperature in (0.0, 1.0):
         params = tlt.SamplingParams(n=2, temperature=temperature, max_tokens=64, seed=5, ignore_eos=True)
         plain, _ = generate(model, prompts, params)
@@ -47,13 +58,12 @@ def test_a_four_bit_drafter_drafts_nearly_as_well_and_the_samples_stay_plain_dec
         assert accept4 >= 0.85 * accept16 and accept4 > 1.5
 
 
-@needs_kernels
-def test_four_bit_weights_follow_the_parameters_and_training_reads_the_parameters(default_bf16):
-    model, _ = default_bf16
+def test_four_bit_weights_follow_the_parameters_and_training_reads_the_parameters(default_model):
+    model, _ = default_model
     drafter = Drafter.load("default", model)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, model.config.vocab_size, (1, 6), generator=gen)
-    features = torch.randn(1, 6, model.config.hidden_size, generator=gen).bfloat16()
+    features = torch.randn(1, 6, model.config.hidden_size, generator=gen).to(model.dtype)
     positions = torch.arange(6)[None]
 
     def forward(d, grad=False):

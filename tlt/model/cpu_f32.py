@@ -76,3 +76,28 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     groups = -(-N // GROUP)
     padded = F.pad(weight.detach().float(), (0, 0, 0, groups * GROUP - N))
     return padded.reshape(groups, GROUP, K).transpose(1, 2).contiguous()
+
+
+def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] rounded to 16 levels per output column and k-group (`cpu_kernels.levels4`) -> (codes
+    [ceil(N / 16), K, 8] uint8, scales [ceil(N / 16), K / kgroup, 2, 16] float32): byte j of (g, k) holds the
+    code of column 16 g + j in its low nibble and of 16 g + 8 + j in its high one; scales hold each column's
+    scale, then its low value (the weight is scale * code + low)."""
+    N, K = weight.shape
+    codes, scale, low = cpu_kernels.levels4(weight, GROUP)
+    groups, kgroups = codes.shape[0] // GROUP, scale.shape[1]
+    codes = codes.view(groups, GROUP, K).transpose(1, 2)  # [G, K, 16]
+    packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2 :] << 4)
+    scales = torch.stack([scale, low], dim=1).view(groups, GROUP, 2, kgroups).permute(0, 3, 2, 1)
+    return packed.contiguous(), scales.contiguous()
+
+
+def unpack4(packed: torch.Tensor, scales: torch.Tensor, N: int) -> torch.Tensor:
+    """The float32 weight [N, K] that pack4's output stands for: scale * code, then + low, rounded as the
+    kernel does (its products by it are the float32 products by this weight, bit for bit)."""
+    groups, K, _ = packed.shape
+    codes = torch.cat([packed & 15, packed >> 4], dim=2).float()  # [G, K, 16]
+    kgroups = scales.shape[1]
+    per_k = scales.repeat_interleave(K // kgroups, dim=1)  # [G, K, 2, 16]
+    weight = codes * per_k[:, :, 0] + per_k[:, :, 1]
+    return weight.transpose(1, 2).reshape(groups * GROUP, K)[:N]

@@ -151,25 +151,34 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 QGROUPS = (128, 64, 32)  # input features per scale of 4-bit weights: the first that divides K
 
 
-def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (K even) rounded to 16 levels per output column and k-group of 128 inputs (64 or 32
-    where K is not a multiple of 128; one group over all K where none divides it), evenly spaced from the
-    group's least to its greatest value -> (codes [ceil(N / 32), K / 2, 32] uint8, scales
-    [ceil(N / 32), K / group, 2, 32] float32). Byte i
-    of pair p holds the code of column i / 2 (k = 2p + i % 2) in its low nibble, of column 16 + i / 2 in its
-    high one; the weight is scale * code + low, and scales hold scale, then shift = low - 128 scale, the
-    form the kernel adds (it multiplies codes as the bf16 numbers 128 + code)."""
+def levels4(weight: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K], padded with zero rows to a multiple of `columns` outputs, rounded to 16 levels per
+    output column and k-group of 128 inputs (64 or 32 where K is not a multiple of 128; one group over all
+    K where none divides it), evenly spaced from the group's least to its greatest value -> (codes [N', K]
+    uint8, scale [N', K / group], low [N', K / group] float32): the weight is scale * code + low."""
     N, K = weight.shape
-    groups = -(-N // GROUP)
+    padded = -(-N // columns) * columns
     kgroup = next((g for g in QGROUPS if K % g == 0), K)
-    w = F.pad(weight.detach().float(), (0, 0, 0, groups * GROUP - N)).view(groups * GROUP, K // kgroup, kgroup)
+    w = F.pad(weight.detach().float(), (0, 0, 0, padded - N)).view(padded, K // kgroup, kgroup)
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
-    codes = ((w - low) / scale).round_().clamp_(0, 15).to(torch.uint8).view(groups, GROUP, K // 2, 2)
-    codes = codes.permute(0, 2, 1, 3)  # [G, K / 2, 32 columns, 2]
+    codes = ((w - low) / scale).round_().clamp_(0, 15).to(torch.uint8).view(padded, K)
+    return codes, scale.squeeze(-1), low.squeeze(-1)
+
+
+def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K even) rounded as `levels4` does -> (codes [ceil(N / 32), K / 2, 32] uint8, scales
+    [ceil(N / 32), K / group, 2, 32] float32). Byte i
+    of pair p holds the code of column i / 2 (k = 2p + i % 2) in its low nibble, of column 16 + i / 2 in its
+    high one; scales hold scale, then shift = low - 128 scale, the
+    form the kernel adds (it multiplies codes as the bf16 numbers 128 + code)."""
+    N, K = weight.shape
+    codes, scale, low = levels4(weight, GROUP)
+    groups, kgroups = codes.shape[0] // GROUP, scale.shape[1]
+    codes = codes.view(groups, GROUP, K // 2, 2).permute(0, 2, 1, 3)  # [G, K / 2, 32 columns, 2]
     packed = codes[:, :, :16].reshape(groups, K // 2, GROUP) | (codes[:, :, 16:].reshape(groups, K // 2, GROUP) << 4)
-    scales = torch.stack([scale, low - 128 * scale], dim=1).squeeze(-1)  # [G * 32, 2, K / kgroup]
-    scales = scales.view(groups, GROUP, 2, K // kgroup).permute(0, 3, 2, 1).contiguous()
+    scales = torch.stack([scale, low - 128 * scale], dim=1)  # [G * 32, 2, K / kgroup]
+    scales = scales.view(groups, GROUP, 2, kgroups).permute(0, 3, 2, 1).contiguous()
     return packed.contiguous(), scales
 
 

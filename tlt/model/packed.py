@@ -20,9 +20,10 @@ weights of at least PACK_MIN_BYTES; smaller float32 weights (the default model's
 column-major layout of tlt/model/layout.py, whose MKL products are the faster there.
 
 `PackedLinear` is a frozen snapshot of one weight (and bias), rebuilt by its holder's `Prepared` when the
-parameter changes. With bits=4 (a drafter's products, `Drafter.set_weight_bits`) a bf16 weight that tlt's
-kernel takes is rounded to 16 levels per column and group of 128 inputs (`cpu_kernels.pack4`): a quarter of the
-bytes to stream; other weights ignore it. Where oneDNN is missing or cannot pack (a CPU build without it, a GPU tensor) the
+parameter changes. With bits=4 (a drafter's products, `Drafter.set_weight_bits`) a weight that one of tlt's
+kernels takes is rounded to 16 levels per column and group of 128 inputs (`cpu_kernels.levels4`): a quarter of
+a bf16 weight's bytes to stream (`cpu_kernels.pack4`), an eighth of a float32 one's (`cpu_f32.pack4`); other
+weights ignore it. Where oneDNN is missing or cannot pack (a CPU build without it, a GPU tensor) the
 same object multiplies the plain weight; so does a bf16 weight on a CPU whose oneDNN cannot pack bf16 (no
 AVX-512 and no AVX-NE-CONVERT: AVX2-only CPUs), through PyTorch's own bf16 products.
 """
@@ -99,7 +100,9 @@ class PackedLinear:
         self.f32_kernel = f32_kernel_for(weight)
         self.packed = self.kernels is not None or self.f32_kernel is not None or should_pack(weight)
         self.scales = None  # of 4-bit weights
-        if self.f32_kernel is not None:
+        if self.f32_kernel is not None and bits == 4:
+            (self.weight, self.scales), self.weight_t = cpu_f32.pack4(weight), None
+        elif self.f32_kernel is not None:
             self.weight, self.weight_t = cpu_f32.pack(weight), None
         elif self.kernels is not None and bits == 4:
             (self.weight, self.scales), self.weight_t = cpu_kernels.pack4(weight), None
@@ -141,9 +144,8 @@ class PackedLinear:
 
     def _kernel_linear(self, rows: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """rows [N, in] @ weight^T (+ bias) (+ residual [N, out]) on tlt's kernel: the bf16 one, or the float32 one."""
-        if self.kernels is not None:
-            return self.kernels.linear(rows, self.weight, self.out_features, self.bias, residual, self.scales)
-        return self.f32_kernel.linear(rows, self.weight, self.out_features, self.bias, residual)
+        kernel = self.kernels if self.kernels is not None else self.f32_kernel
+        return kernel.linear(rows, self.weight, self.out_features, self.bias, residual, self.scales)
 
     def _padded(self, rows: torch.Tensor) -> torch.Tensor:
         """A single bf16 row repeated ONE_ROW_PAD times: oneDNN's one-row bf16 kernel streams the weight

@@ -26,8 +26,8 @@ class EngineConfig:
     drafter was trained over, as its config records it, so it attends over at most half of it; None, or
     "auto" for a drafter that records none: the whole context; see SpeculativeDecoder: drafts only, the
     samples are unchanged). drafter_bits: 4 drafts on the drafter's weights
-    rounded to 4 bits where tlt's bf16 CPU kernels run it (a quarter of the bytes; the samples are
-    unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits;
+    rounded to 4 bits where tlt's CPU kernels run it (a quarter of bf16 weights' bytes, an eighth of float32
+    ones'; the samples are unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits;
     a Drafter object given here is set to that width, so engines sharing one share its width)."""
 
     max_batch_size: int = 256

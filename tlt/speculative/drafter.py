@@ -121,10 +121,11 @@ class Drafter(ColumnMajorLinears, nn.Module):
 
     def set_weight_bits(self, bits: int) -> None:
         """Draft on weights rounded to 4 bits (bits=4) or on the parameters' values (16). At 4 bits fc's and
-        the layer's products, where tlt's bf16 CPU kernels run them, stream a quarter of the bytes: a
-        drafter's forward over a few tokens is bound by streaming its weights (fc and the layer are about a
-        tenth of a 12-layer policy's, and a depth-4 draft reads them four times a step). Elsewhere (float32,
-        a GPU) the drafter drafts on its parameters as they are. Rounding changes only what is drafted:
+        the layer's products, where tlt's CPU kernels run them, stream a quarter of the bytes of bf16 weights
+        (tlt's bf16 kernels) or an eighth of float32 ones (its AVX2 float32 kernel): a drafter's forward over
+        a few tokens is bound by streaming its weights (fc and the layer are about a tenth of a 12-layer
+        policy's, and a depth-4 draft reads them four times a step). Elsewhere (a GPU, float32 weights
+        under PACK_MIN_BYTES or on AVX-512 CPUs) the drafter drafts on its parameters as they are. Rounding changes only what is drafted:
         verification is the target's, so the samples stay those of plain decoding. Training reads the
         parameters, never the rounded copy."""
         self.layer.set_weight_bits(bits)

@@ -13,6 +13,13 @@
 // whatever the number of rows or the block a row falls in: a row's result does not depend on how many
 // rows are multiplied (a draft's verification gives the one-token step's values bit for bit). Bias and
 // residual are added after the sum, in that order.
+//
+// 4-bit weights (a drafter's, cpu_f32.pack4): per group and input k, 8 bytes whose byte j holds the code of
+// column j in its low nibble and of column 8 + j in its high one, with a scale and a low value per column and
+// k-group (cpu_kernels.levels4). Each chunk of 128 inputs of a group is expanded to float32 (scale * code, then
+// + low: the values cpu_f32.unpack4 gives) in an 8 KB buffer that the same row blocks multiply by, so a
+// product streams an eighth of the float32 weight's bytes and gives exactly the float32 product by the
+// unpacked weight.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -76,6 +83,20 @@ TARGET void rows_block(int64_t rows, const float* x, int64_t ldx, const float* w
   }
 }
 
+// out[r, 0:valid] = acc[r, 0:valid] (+ bias) (+ residual[r]) for the M rows of one group.
+void finish(int64_t M, const float* acc, const float* bias, const float* residual, int64_t ldr, float* out, int64_t ldo,
+            int64_t valid) {
+  for (int64_t r = 0; r < M; ++r) {
+    float* o = out + r * ldo;
+    for (int64_t c = 0; c < valid; ++c) {
+      float v = acc[r * GROUP + c];
+      if (bias) v += bias[c];
+      if (residual) v += residual[r * ldr + c];
+      o[c] = v;
+    }
+  }
+}
+
 // out[:, c0 : c0 + valid] (+ bias, + residual) of all M rows over group g's weights w [K, 16]. Every row block
 // takes a chunk of the inputs before any takes the next, so the group streams from memory once while all blocks
 // multiply by it; a row's sums go on in memory between chunks, exactly as in registers.
@@ -89,15 +110,43 @@ TARGET void group(int64_t M, int64_t K, const float* x, int64_t ldx, const float
       rows_block(std::min(BLOCK, M - r0), x + r0 * ldx, ldx, w, k0, k1, acc + r0 * GROUP);
     }
   }
-  for (int64_t r = 0; r < M; ++r) {
-    float* o = out + r * ldo;
-    for (int64_t c = 0; c < valid; ++c) {
-      float v = acc[r * GROUP + c];
-      if (bias) v += bias[c];
-      if (residual) v += residual[r * ldr + c];
-      o[c] = v;
+  finish(M, acc, bias, residual, ldr, out, ldo, valid);
+}
+
+// Inputs k0 <= k < k1 of one group's 4-bit weights (codes [K, 8], scales [K / kgroup, 2, 16]) as float32
+// [k1 - k0, 16] in buf. GCC would contract the multiply and the add into one fused multiply-add (one rounding,
+// not unpack4's two) without fp-contract=off.
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void expand4(const uint8_t* codes, const float* scales, int64_t kgroup, int64_t k0, int64_t k1, float* buf) {
+  const __m256i low_nibble = _mm256_set1_epi32(15);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, b0 = s0, b1 = s0;
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k == k0 || k % kgroup == 0) {
+      const float* sc = scales + (k / kgroup) * 2 * GROUP;
+      s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
+      b0 = _mm256_loadu_ps(sc + GROUP), b1 = _mm256_loadu_ps(sc + GROUP + 8);
+    }
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
+    const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble));
+    const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    // two roundings, not one fused multiply-add: the values unpack4 computes
+    _mm256_storeu_ps(buf + (k - k0) * GROUP, _mm256_add_ps(_mm256_mul_ps(c0, s0), b0));
+    _mm256_storeu_ps(buf + (k - k0) * GROUP + 8, _mm256_add_ps(_mm256_mul_ps(c1, s1), b1));
+  }
+}
+
+// group() on 4-bit weights: every chunk of inputs is expanded once, then multiplied by every row block.
+TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const uint8_t* codes, const float* scales,
+                   int64_t kgroup, const float* bias, const float* residual, int64_t ldr, float* out, int64_t ldo,
+                   int64_t valid, float* acc, float* buf) {
+  std::fill(acc, acc + M * GROUP, 0.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
+    const int64_t k1 = std::min(K, k0 + CHUNK);
+    expand4(codes, scales, kgroup, k0, k1, buf);
+    for (int64_t r0 = 0; r0 < M; r0 += BLOCK) {
+      rows_block(std::min(BLOCK, M - r0), x + r0 * ldx + k0, ldx, buf, 0, k1 - k0, acc + r0 * GROUP);
     }
   }
+  finish(M, acc, bias, residual, ldr, out, ldo, valid);
 }
 
 bool cpu_has_avx2_fma() {
@@ -109,18 +158,33 @@ bool cpu_has_avx2_fma() {
 
 bool supported() { return cpu_has_avx2_fma(); }
 
-// x [M, K] (rows contiguous) times the packed weight [G, K, 16] -> [M, N] float32, plus bias [N] and residual
-// [M, N] when given.
+// x [M, K] (rows contiguous) times the packed weight -> [M, N] float32, plus bias [N] and residual [M, N] when
+// given. The weight is float32 [G, K, 16] (cpu_f32.pack), or 4-bit codes [G, K, 8] uint8 with their scales
+// [G, K / kgroup, 2, 16] float32 (cpu_f32.pack4).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& residual) {
+                     const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& scales) {
   TORCH_CHECK(supported(), "cpu_f32.linear: this CPU has no AVX2 and FMA");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "cpu_f32.linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: 2-D float32 rows with contiguous columns");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == GROUP && packed.is_contiguous() && packed.scalar_type() == torch::kFloat,
-              "packed: [groups, K, 16] float32, contiguous");
+  const bool four = scales.has_value() && scales->defined();
+  if (four) {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == GROUP / 2 && packed.is_contiguous() &&
+                packed.scalar_type() == torch::kByte, "packed: 4-bit codes [groups, K, 8] uint8, contiguous (cpu_f32.pack4)");
+  } else {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == GROUP && packed.is_contiguous() && packed.scalar_type() == torch::kFloat,
+                "packed: [groups, K, 16] float32, contiguous (cpu_f32.pack)");
+  }
   const int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "packed weight has K = ", packed.size(1), ", x has ", K);
   TORCH_CHECK(N >= 1 && (N + GROUP - 1) / GROUP == G, "N = ", N, " does not fill ", G, " groups of ", GROUP);
+  int64_t kgroup = K;
+  if (four) {
+    TORCH_CHECK(scales->is_cpu() && scales->dim() == 4 && scales->size(0) == G && scales->size(2) == 2 &&
+                scales->size(3) == GROUP && scales->is_contiguous() && scales->scalar_type() == torch::kFloat &&
+                scales->size(1) >= 1 && K % scales->size(1) == 0,
+                "scales: [groups, K / kgroup, 2, 16] float32, contiguous (cpu_f32.pack4)");
+    kgroup = K / scales->size(1);
+  }
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_cpu() && bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat,
@@ -139,7 +203,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   // Tiles of rows, each multiplied by every group; within a tile each thread takes a contiguous run of groups
@@ -150,10 +213,21 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
     const int64_t rows = std::min(TILE, M - t0);
     at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
       std::vector<float> acc(rows * GROUP);
+      std::vector<float> buf(four ? CHUNK * GROUP : 0);
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t c0 = g * GROUP;
-        group(rows, K, xp + t0 * ldx, ldx, wp + g * K * GROUP, b ? b + c0 : nullptr,
-              res ? res + t0 * ldr + c0 : nullptr, ldr, op + t0 * N + c0, N, std::min(GROUP, N - c0), acc.data());
+        const float* gb = b ? b + c0 : nullptr;
+        const float* gr = res ? res + t0 * ldr + c0 : nullptr;
+        float* go = op + t0 * N + c0;
+        const int64_t valid = std::min(GROUP, N - c0);
+        if (four) {
+          group4(rows, K, xp + t0 * ldx, ldx, packed.data_ptr<uint8_t>() + g * K * (GROUP / 2),
+                 scales->data_ptr<float>() + g * (K / kgroup) * 2 * GROUP, kgroup, gb, gr, ldr, go, N, valid,
+                 acc.data(), buf.data());
+        } else {
+          group(rows, K, xp + t0 * ldx, ldx, packed.data_ptr<float>() + g * K * GROUP, gb, gr, ldr, go, N, valid,
+                acc.data());
+        }
       }
     });
   }
@@ -221,8 +295,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported);
-  m.def("linear", &linear, "x @ W^T (+ bias) (+ residual) on a weight packed in groups of 16 columns",
-        py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("linear", &linear, "x @ W^T (+ bias) (+ residual) on a weight packed in groups of 16 columns (float32, or "
+        "4-bit codes with their scales)", py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none(), py::arg("scales") = py::none());
   m.def("rms_norm", &rms_norm, "x / rms(x) over the last dimension (* weight)", py::arg("x"), py::arg("weight"),
         py::arg("eps"));
 }
