@@ -38,11 +38,12 @@ constexpr int64_t BLOCK = 6;   // rows per register block: 12 accumulators, 2 we
 
 constexpr int64_t CHUNK = 128;  // inputs per pass of every row block over a group (8 KB of its weights)
 constexpr int64_t TILE = 48;    // rows multiplied by every group before the next rows: x's rows stay in cache
+constexpr int64_t AHEAD = 48;   // inputs (cache lines of a group's float32 weights) requested ahead of the multiply
 
 // Partial sums acc[r, 0:16] (row stride 16) of rows r < R of x go on over inputs k0 <= k < k1 of one group's
 // weights w [K, 16]. The accumulators are named variables, not an array, so that the compiler keeps all 12 in
 // registers through the loop.
-template <int R>
+template <int R, bool PREFETCH>
 TARGET void block(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* acc) {
   __m256 l0, h0, l1, h1, l2, h2, l3, h3, l4, h4, l5, h5;
 #define TLT_LOAD(i)                                                 \
@@ -53,6 +54,7 @@ TARGET void block(const float* x, int64_t ldx, const float* w, int64_t k0, int64
   TLT_LOAD(0) TLT_LOAD(1) TLT_LOAD(2) TLT_LOAD(3) TLT_LOAD(4) TLT_LOAD(5)
 #undef TLT_LOAD
   for (int64_t k = k0; k < k1; ++k) {
+    if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + (k + AHEAD) * GROUP), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + k * GROUP), w1 = _mm256_loadu_ps(w + k * GROUP + 8);
 #define TLT_ROW(i)                                                  \
     if constexpr (R > i) {                                          \
@@ -72,14 +74,34 @@ TARGET void block(const float* x, int64_t ldx, const float* w, int64_t k0, int64
 #undef TLT_STORE
 }
 
+template <bool PREFETCH>
 TARGET void rows_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* acc) {
   switch (rows) {
-    case 1: block<1>(x, ldx, w, k0, k1, acc); break;
-    case 2: block<2>(x, ldx, w, k0, k1, acc); break;
-    case 3: block<3>(x, ldx, w, k0, k1, acc); break;
-    case 4: block<4>(x, ldx, w, k0, k1, acc); break;
-    case 5: block<5>(x, ldx, w, k0, k1, acc); break;
-    default: block<6>(x, ldx, w, k0, k1, acc); break;
+    case 1: block<1, PREFETCH>(x, ldx, w, k0, k1, acc); break;
+    case 2: block<2, PREFETCH>(x, ldx, w, k0, k1, acc); break;
+    case 3: block<3, PREFETCH>(x, ldx, w, k0, k1, acc); break;
+    case 4: block<4, PREFETCH>(x, ldx, w, k0, k1, acc); break;
+    case 5: block<5, PREFETCH>(x, ldx, w, k0, k1, acc); break;
+    default: block<6, PREFETCH>(x, ldx, w, k0, k1, acc); break;
+  }
+}
+
+// M rows times inputs k0 <= k < k1 of one group (w [K, 16]), in ceil(M / 6) blocks of nearly equal size (9 rows:
+// 5 and 4, each with enough independent sums to keep both FMA pipes busy, where 6 and 3 would leave the 3-row
+// block waiting on its sums). Over more than one row the first block requests the weights ahead of its multiply,
+// so the next chunk arrives from memory while this one is multiplied (9 rows of the bench policy's products:
+// 16.4 against 17.8 ms); a single row streams as fast without (13.1 against 14.0 ms).
+TARGET void all_blocks(int64_t M, const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* acc,
+                       bool prefetch) {
+  const int64_t blocks = (M + BLOCK - 1) / BLOCK;
+  for (int64_t i = 0, r0 = 0; i < blocks; ++i) {
+    const int64_t rows = M / blocks + (i < M % blocks);
+    if (i == 0 && prefetch && M > 1) {
+      rows_block<true>(rows, x + r0 * ldx, ldx, w, k0, k1, acc + r0 * GROUP);
+    } else {
+      rows_block<false>(rows, x + r0 * ldx, ldx, w, k0, k1, acc + r0 * GROUP);
+    }
+    r0 += rows;
   }
 }
 
@@ -106,9 +128,7 @@ TARGET void group(int64_t M, int64_t K, const float* x, int64_t ldx, const float
   const int64_t chunk = M <= BLOCK ? K : CHUNK;  // one block of rows: one pass
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
-    for (int64_t r0 = 0; r0 < M; r0 += BLOCK) {
-      rows_block(std::min(BLOCK, M - r0), x + r0 * ldx, ldx, w, k0, k1, acc + r0 * GROUP);
-    }
+    all_blocks(M, x, ldx, w, k0, k1, acc, true);
   }
   finish(M, acc, bias, residual, ldr, out, ldo, valid);
 }
@@ -116,35 +136,80 @@ TARGET void group(int64_t M, int64_t K, const float* x, int64_t ldx, const float
 // Inputs k0 <= k < k1 of one group's 4-bit weights (codes [K, 8], scales [K / kgroup, 2, 16]) as float32
 // [k1 - k0, 16] in buf. GCC would contract the multiply and the add into one fused multiply-add (one rounding,
 // not unpack4's two) without fp-contract=off.
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void expand4(const uint8_t* codes, const float* scales, int64_t kgroup, int64_t k0, int64_t k1, float* buf) {
+__attribute__((target("avx2,fma"), optimize("fp-contract=off")))
+void expand4(const uint8_t* codes, const float* scales, int64_t kgroup, int64_t k0, int64_t k1, float* buf) {
   const __m256i low_nibble = _mm256_set1_epi32(15);
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, b0 = s0, b1 = s0;
-  for (int64_t k = k0; k < k1; ++k) {
-    if (k == k0 || k % kgroup == 0) {
-      const float* sc = scales + (k / kgroup) * 2 * GROUP;
-      s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
-      b0 = _mm256_loadu_ps(sc + GROUP), b1 = _mm256_loadu_ps(sc + GROUP + 8);
+  for (int64_t s0 = k0; s0 < k1;) {  // one k-group's scales at a time
+    const int64_t s1 = std::min(k1, (s0 / kgroup + 1) * kgroup);
+    const float* sc = scales + (s0 / kgroup) * 2 * GROUP;
+    const __m256 a0 = _mm256_loadu_ps(sc), a1 = _mm256_loadu_ps(sc + 8);
+    const __m256 b0 = _mm256_loadu_ps(sc + GROUP), b1 = _mm256_loadu_ps(sc + GROUP + 8);
+    for (int64_t k = s0; k < s1; ++k) {
+      if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 8 * AHEAD) * 8), _MM_HINT_T0);
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble));
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      _mm256_storeu_ps(buf + (k - k0) * GROUP, _mm256_add_ps(_mm256_mul_ps(c0, a0), b0));
+      _mm256_storeu_ps(buf + (k - k0) * GROUP + 8, _mm256_add_ps(_mm256_mul_ps(c1, a1), b1));
     }
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
-    const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble));
-    const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-    // two roundings, not one fused multiply-add: the values unpack4 computes
-    _mm256_storeu_ps(buf + (k - k0) * GROUP, _mm256_add_ps(_mm256_mul_ps(c0, s0), b0));
-    _mm256_storeu_ps(buf + (k - k0) * GROUP + 8, _mm256_add_ps(_mm256_mul_ps(c1, s1), b1));
+    s0 = s1;
   }
 }
 
-// group() on 4-bit weights: every chunk of inputs is expanded once, then multiplied by every row block.
+// group4's sums for at most 4 rows: each input's 16 weights expanded in registers (the values expand4 stores) and
+// multiplied by every row at once, all of K in one pass (acc [R, 16] starts at zero).
+template <int R>
+__attribute__((target("avx2,fma"), optimize("fp-contract=off")))
+void direct4(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t kgroup, int64_t K,
+             float* acc) {
+  const __m256i low_nibble = _mm256_set1_epi32(15);
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  for (int64_t s0 = 0; s0 < K; s0 += kgroup) {
+    const int64_t s1 = std::min(K, s0 + kgroup);
+    const float* sc = scales + (s0 / kgroup) * 2 * GROUP;
+    const __m256 a0 = _mm256_loadu_ps(sc), a1 = _mm256_loadu_ps(sc + 8);
+    const __m256 b0 = _mm256_loadu_ps(sc + GROUP), b1 = _mm256_loadu_ps(sc + GROUP + 8);
+    for (int64_t k = s0; k < s1; ++k) {
+      if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 8 * AHEAD) * 8), _MM_HINT_T0);
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
+      const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble)), a0), b0);
+      const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), a1), b1);
+#define TLT_ROW(i)                                                  \
+      if constexpr (R > i) {                                        \
+        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);     \
+        l##i = _mm256_fmadd_ps(xv, w0, l##i);                       \
+        h##i = _mm256_fmadd_ps(xv, w1, h##i);                       \
+      }
+      TLT_ROW(0) TLT_ROW(1) TLT_ROW(2) TLT_ROW(3)
+#undef TLT_ROW
+    }
+  }
+#define TLT_STORE(i)                                                \
+  if constexpr (R > i) {                                            \
+    _mm256_storeu_ps(acc + i * GROUP, l##i);                        \
+    _mm256_storeu_ps(acc + i * GROUP + 8, h##i);                    \
+  }
+  TLT_STORE(0) TLT_STORE(1) TLT_STORE(2) TLT_STORE(3)
+#undef TLT_STORE
+}
+
+// group() on 4-bit weights: up to 4 rows in registers (direct4); more take every chunk of inputs expanded once, then
+// multiplied by every row block.
 TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const uint8_t* codes, const float* scales,
                    int64_t kgroup, const float* bias, const float* residual, int64_t ldr, float* out, int64_t ldo,
                    int64_t valid, float* acc, float* buf) {
+  switch (M) {  // a few rows: no buffer
+    case 1: direct4<1>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
+    case 2: direct4<2>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
+    case 3: direct4<3>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
+    case 4: direct4<4>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
+    default: break;
+  }
   std::fill(acc, acc + M * GROUP, 0.0f);
   for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
     const int64_t k1 = std::min(K, k0 + CHUNK);
     expand4(codes, scales, kgroup, k0, k1, buf);
-    for (int64_t r0 = 0; r0 < M; r0 += BLOCK) {
-      rows_block(std::min(BLOCK, M - r0), x + r0 * ldx + k0, ldx, buf, 0, k1 - k0, acc + r0 * GROUP);
-    }
+    all_blocks(M, x + k0, ldx, buf, 0, k1 - k0, acc, false);
   }
   finish(M, acc, bias, residual, ldr, out, ldo, valid);
 }
