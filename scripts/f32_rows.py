@@ -1,7 +1,8 @@
 """Time float32 products over 1-1024 rows on the bench policy's weight shapes (12 layers: q|k|v, o, gate|up, down;
 368 MB, beyond the last-level cache) by kernel: PyTorch's plain products (MKL), oneDNN's prepacked weights, and
-tlt's AVX2 kernel (tlt/model/cpu_f32.py) where it builds. Prints milliseconds for all 48 products, the weight
-bytes streamed a second and the arithmetic rate, medians of --repeats; --json writes them.
+tlt's AVX2 kernel (tlt/model/cpu_f32.py) where it builds, on the float32 weights and on them rounded to 4 bits
+(`tlt_f32_q4`, a drafter's `drafter_bits=4`: 46 MB). Prints milliseconds for all 48 products, the float32
+weight bytes a second and the arithmetic rate, medians of --repeats; --json writes them.
 
     python scripts/f32_rows.py --threads 2 --json f32_rows.json
 """
@@ -40,15 +41,18 @@ def main() -> None:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
     module = cpu_f32.kernels()
     ours = [cpu_f32.pack(w) for w in weights] if module is not None else None
+    fours = [cpu_f32.pack4(w) for w in weights] if module is not None else None
 
     def products(name, xs):
         if name == "plain":
             return [F.linear(x, w) for x, w in zip(xs, weights)]
         if name == "onednn":
             return [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, onednn)]
+        if name == "tlt_f32_q4":
+            return [module.linear(x, c, w.shape[0], None, None, s) for x, (c, s), w in zip(xs, fours, weights)]
         return [module.linear(x, p, w.shape[0], None, None) for x, p, w in zip(xs, ours, weights)]
 
-    names = ["plain", "onednn"] + (["tlt_f32"] if module is not None else [])
+    names = ["plain", "onednn"] + (["tlt_f32", "tlt_f32_q4"] if module is not None else [])
     rows_out = []
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):

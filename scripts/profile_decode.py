@@ -3,7 +3,7 @@
     pip install py-spy
     python scripts/profile_decode.py --strategy tree-d4-k2-v8 --prompts 16
     python scripts/profile_decode.py --strategy adaptive --prompts 16 --batch 16 --samples 8
-    python scripts/profile_decode.py --model bench --dtype float32 --prompts 4
+    python scripts/profile_decode.py --model bench --dtype float32 --drafter-bits 4 --prompts 8
 
 runs a task's eval prompts (temperature 1.0) under `py-spy record`; `--model` (default: the default model)
 answers its own workload as the benches do (the bench policy: the bench task, its drafter and budget): by default one after
@@ -43,7 +43,8 @@ def workload(args: argparse.Namespace) -> None:
     folder = resolve_model_path(args.model)
     model, tokenizer = load_model(folder, dtype=args.dtype), load_tokenizer(folder)
     drafter = None if args.strategy == "off" else Drafter.load(args.drafter, model)
-    engine = RolloutEngine(model, config=engine_config(args.strategy, drafter, progress=False))
+    engine = RolloutEngine(model, config=engine_config(args.strategy, drafter, progress=False,
+                                                        drafter_bits=args.drafter_bits))
     ids = [tokenizer.encode(p.prompt) for p in get_task(args.task).sample(args.prompts, seed=0, split="eval")]
     batch = args.batch
     with torch.inference_mode():
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--task", help="built-in task (default: the model's own)")
     parser.add_argument("--max-tokens", type=int, help="response budget (default: the task's longest solution)")
     parser.add_argument("--dtype", default=None, help="decode dtype (default: the model's)")
+    parser.add_argument("--drafter-bits", type=int, default=16, choices=(4, 16), help="EngineConfig.drafter_bits")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     parser.add_argument("--samples", type=int, default=1, help="samples per prompt")

@@ -3,13 +3,19 @@
 Where the CPU has no AVX-512 (AMD's Zen 3 EPYC, for one) tlt decodes in float32: oneDNN packs no bf16 there
 and PyTorch's own bf16 products are several times slower (tlt/model/packed.py). oneDNN's prepacked float32
 products cost about twice as much at 2-9 rows as at one: on 2 cores of a Zen 3 EPYC the bench policy's 48
-products (368 MB) took 15.6 ms at one row and 26.9-33.1 ms at 2-9 rows, where this kernel takes 13.1 ms and
-13.4-20.7 ms (`python scripts/f32_rows.py --threads 2`, docs/results/f32_rows_zen3.json). Blocks of up to 6
-rows take a weight group's inputs chunk by chunk, all blocks one chunk before the next, so the group streams
-from memory once while every block multiplies by it; from about 9 rows the products are bound by AVX2's
-arithmetic (32 FLOP a cycle a core), and at 256 rows it runs 158 GFLOP/s against oneDNN's 122. Rows come in
-tiles of 48, so a pass over thousands of rows (log-probs) rereads the weights per tile and runs at oneDNN's
-rate.
+products (368 MB) took 15.0 ms at one row and 24.0-32.4 ms at 2-9 rows, where this kernel takes 12.0 ms and
+12.8-15.6 ms (`python scripts/f32_rows.py --threads 2`, docs/results/f32_rows_zen3.json). Blocks of up to 6
+rows (of nearly equal size) take a weight group's inputs chunk by chunk, all blocks one chunk before the next,
+so the group streams from memory once while every block multiplies by it; from about 9 rows the products are
+bound by AVX2's arithmetic (32 FLOP a cycle a core), and at 256 rows it runs 169 GFLOP/s against oneDNN's
+151. Rows come in tiles of 48, so a pass over thousands of rows (log-probs) rereads the weights per tile and
+runs at MKL's rate.
+
+4-bit weights (`pack4`, a drafter's `drafter_bits=4`: 16 levels per column and k-group of 128 inputs, as the
+bf16 kernels round them) stream an eighth of the float32 bytes: the same 48 products take 4.3 ms at one row,
+5.4 at two and 7.1 at four, bound by expanding the codes rather than by memory. Up to 4 rows the codes are
+expanded in registers, beyond that a chunk at a time into an 8 KB buffer the same row blocks read; either way
+the product is the float32 product by the weight the codes stand for (`unpack4`), bit for bit.
 
 On that path the layer's rms norms take the kernel's `rms_norm` too (tlt/model/fused.py): a few microseconds a
 call where `F.rms_norm`'s operators take 50-95 (`python scripts/profile_forward_ops.py`).
