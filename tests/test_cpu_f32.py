@@ -84,10 +84,11 @@ def test_it_checks_its_inputs(module):
 
 
 @pytest.mark.parametrize("N,K", [(16, 128), (40, 256), (100, 96), (33, 37), (250, 640)])
-def test_4bit_products_are_the_float32_products_by_the_unpacked_weight(module, N, K):
+def test_4bit_products_are_products_by_the_unpacked_weight(module, N, K):
     """pack4 rounds each column and k-group to 16 levels (k-groups of 128, 64 or 32, else all of K); the kernel's
-    product by the codes is its float32 product by the weight they stand for, bit for bit, at every row count,
-    with bias and residual, and a row's result does not depend on the rows beside it."""
+    product by the codes is the product by the weight they stand for (within float32 rounding: scale and low
+    value are taken out of each k-group's sum), at every row count, with bias and residual, and a row's result
+    does not depend on the rows beside it."""
     gen = torch.Generator().manual_seed(N + K)
     w, bias = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
     codes, scales = cpu_f32.pack4(w)
@@ -100,12 +101,11 @@ def test_4bit_products_are_the_float32_products_by_the_unpacked_weight(module, N
     level = ((spread.max - spread.min) / 15).repeat_interleave(kgroup, dim=1)
     assert ((rounded - w).abs() <= level / 2 + 1e-5).all()
     assert len(torch.unique(rounded[0, :kgroup])) <= 16
-    plain = cpu_f32.pack(rounded)
     x, residual = torch.randn(40, K, generator=gen), torch.randn(40, N, generator=gen)
     full = module.linear(x, codes, N, bias, residual, scales)
-    assert torch.equal(full, module.linear(x, plain, N, bias, residual))
-    assert torch.allclose(full, x @ rounded.T + bias + residual, rtol=1e-4, atol=1e-4 * K ** 0.5)
-    for start, stop in ((0, 1), (3, 5), (1, 4), (0, 4), (6, 13), (20, 40)):  # up to 4 rows: in registers
+    exact = (x.double() @ rounded.double().T + bias.double() + residual.double()).float()
+    assert torch.allclose(full, exact, rtol=1e-5, atol=1e-5 * K ** 0.5)
+    for start, stop in ((0, 1), (3, 5), (1, 4), (0, 4), (6, 13), (20, 40), (7, 8)):  # blocks of 1, 2 and 3 rows
         assert torch.equal(module.linear(x[start:stop], codes, N, bias, residual[start:stop], scales), full[start:stop])
 
 
@@ -150,7 +150,7 @@ def test_a_drafters_4bit_weights_take_it(module, monkeypatch):
     assert four.weight.numel() * 8 == large.numel() * large.element_size()  # bytes
     x = torch.randn(3, 64)
     rounded = cpu_f32.unpack4(four.weight, four.scales, large.shape[0])
-    assert torch.equal(four(x), packed.PackedLinear(rounded)(x))
+    assert torch.allclose(four(x), x @ rounded.T, rtol=1e-5, atol=1e-4)
     assert packed.PackedLinear(torch.randn(32, 64), bits=4).scales is None
 
 

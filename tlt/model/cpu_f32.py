@@ -12,10 +12,11 @@ bound by AVX2's arithmetic (32 FLOP a cycle a core), and at 256 rows it runs 169
 runs at MKL's rate.
 
 4-bit weights (`pack4`, a drafter's `drafter_bits=4`: 16 levels per column and k-group of 128 inputs, as the
-bf16 kernels round them) stream an eighth of the float32 bytes: the same 48 products take 4.3 ms at one row,
-5.4 at two and 7.1 at four, bound by expanding the codes rather than by memory. Up to 4 rows the codes are
-expanded in registers, beyond that a chunk at a time into an 8 KB buffer the same row blocks read; either way
-the product is the float32 product by the weight the codes stand for (`unpack4`), bit for bit.
+bf16 kernels round them) stream an eighth of the float32 bytes, and expanding the codes, not memory, bounds
+their products: scale and low value are taken out of each k-group's sum, so the codes are multiplied as they
+are, each row's sum runs in two chains (even and odd inputs) and rows come in blocks of up to 3. A row's result
+does not depend on the rows beside it; it is the product by the weight the codes stand for (`unpack4`) within
+float32 rounding.
 
 On that path the layer's rms norms take the kernel's `rms_norm` too (tlt/model/fused.py): a few microseconds a
 call where `F.rms_norm`'s operators take 50-95 (`python scripts/profile_forward_ops.py`).
@@ -99,8 +100,8 @@ def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unpack4(packed: torch.Tensor, scales: torch.Tensor, N: int) -> torch.Tensor:
-    """The float32 weight [N, K] that pack4's output stands for: scale * code, then + low, rounded as the
-    kernel does (its products by it are the float32 products by this weight, bit for bit)."""
+    """The float32 weight [N, K] that pack4's output stands for: scale * code + low (the kernel's products are
+    the products by it, within float32 rounding)."""
     groups, K, _ = packed.shape
     codes = torch.cat([packed & 15, packed >> 4], dim=2).float()  # [G, K, 16]
     kgroups = scales.shape[1]

@@ -16,10 +16,12 @@
 //
 // 4-bit weights (a drafter's, cpu_f32.pack4): per group and input k, 8 bytes whose byte j holds the code of
 // column j in its low nibble and of column 8 + j in its high one, with a scale and a low value per column and
-// k-group (cpu_kernels.levels4). Each chunk of 128 inputs of a group is expanded to float32 (scale * code, then
-// + low: the values cpu_f32.unpack4 gives) in an 8 KB buffer that the same row blocks multiply by, so a
-// product streams an eighth of the float32 weight's bytes and gives exactly the float32 product by the
-// unpacked weight.
+// k-group (cpu_kernels.levels4). A product streams an eighth of the float32 weight's bytes, and expanding the
+// codes, not memory, bounds it; so the scale and low value are taken out of the sum over a k-group:
+// sum_k x_k (scale code_k + low) = scale sum_k x_k code_k + low sum_k x_k, the codes multiplied as they are
+// (0..15 as float32). Each row's sum over a k-group runs in two chains, even and odd k, so one row keeps both
+// FMA pipes busy instead of waiting on one chain. Rows come in blocks of up to 2 (8 partial sums), a k-group at
+// a time. A row's result does not depend on the rows beside it.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -133,83 +135,70 @@ TARGET void group(int64_t M, int64_t K, const float* x, int64_t ldx, const float
   finish(M, acc, bias, residual, ldr, out, ldo, valid);
 }
 
-// Inputs k0 <= k < k1 of one group's 4-bit weights (codes [K, 8], scales [K / kgroup, 2, 16]) as float32
-// [k1 - k0, 16] in buf. GCC would contract the multiply and the add into one fused multiply-add (one rounding,
-// not unpack4's two) without fp-contract=off.
-__attribute__((target("avx2,fma"), optimize("fp-contract=off")))
-void expand4(const uint8_t* codes, const float* scales, int64_t kgroup, int64_t k0, int64_t k1, float* buf) {
-  const __m256i low_nibble = _mm256_set1_epi32(15);
-  for (int64_t s0 = k0; s0 < k1;) {  // one k-group's scales at a time
-    const int64_t s1 = std::min(k1, (s0 / kgroup + 1) * kgroup);
-    const float* sc = scales + (s0 / kgroup) * 2 * GROUP;
-    const __m256 a0 = _mm256_loadu_ps(sc), a1 = _mm256_loadu_ps(sc + 8);
-    const __m256 b0 = _mm256_loadu_ps(sc + GROUP), b1 = _mm256_loadu_ps(sc + GROUP + 8);
-    for (int64_t k = s0; k < s1; ++k) {
-      if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 8 * AHEAD) * 8), _MM_HINT_T0);
-      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
-      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble));
-      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-      _mm256_storeu_ps(buf + (k - k0) * GROUP, _mm256_add_ps(_mm256_mul_ps(c0, a0), b0));
-      _mm256_storeu_ps(buf + (k - k0) * GROUP + 8, _mm256_add_ps(_mm256_mul_ps(c1, a1), b1));
-    }
-    s0 = s1;
-  }
-}
-
-// group4's sums for at most 4 rows: each input's 16 weights expanded in registers (the values expand4 stores) and
-// multiplied by every row at once, all of K in one pass (acc [R, 16] starts at zero).
+// acc[r, 0:16] (row stride 16) += scale * sum_k x[r, k] code_k + low * xsum[r] over one k-group of n inputs of a
+// group's 4-bit weights (codes [n, 8], scales [2, 16]), for rows r < R (R <= 2: 8 partial sums in registers).
 template <int R>
-__attribute__((target("avx2,fma"), optimize("fp-contract=off")))
-void direct4(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t kgroup, int64_t K,
-             float* acc) {
+TARGET void block4(const float* x, int64_t ldx, const float* xsum, int64_t xsum_stride, const uint8_t* codes,
+                   const float* scales, int64_t n, float* acc) {
   const __m256i low_nibble = _mm256_set1_epi32(15);
-  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
-  for (int64_t s0 = 0; s0 < K; s0 += kgroup) {
-    const int64_t s1 = std::min(K, s0 + kgroup);
-    const float* sc = scales + (s0 / kgroup) * 2 * GROUP;
-    const __m256 a0 = _mm256_loadu_ps(sc), a1 = _mm256_loadu_ps(sc + 8);
-    const __m256 b0 = _mm256_loadu_ps(sc + GROUP), b1 = _mm256_loadu_ps(sc + GROUP + 8);
-    for (int64_t k = s0; k < s1; ++k) {
-      if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 8 * AHEAD) * 8), _MM_HINT_T0);
-      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
-      const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low_nibble)), a0), b0);
-      const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), a1), b1);
-#define TLT_ROW(i)                                                  \
-      if constexpr (R > i) {                                        \
-        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);     \
-        l##i = _mm256_fmadd_ps(xv, w0, l##i);                       \
-        h##i = _mm256_fmadd_ps(xv, w1, h##i);                       \
-      }
-      TLT_ROW(0) TLT_ROW(1) TLT_ROW(2) TLT_ROW(3)
+  // partial sums: even and odd k, low and high 8 columns, per row
+  __m256 el0 = _mm256_setzero_ps(), eh0 = el0, ol0 = el0, oh0 = el0, el1 = el0, eh1 = el0, ol1 = el0, oh1 = el0;
+#define TLT_CODES(kk, c0, c1)                                                                                  \
+  const __m256i c0##v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (kk) * 8))); \
+  const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(c0##v, low_nibble));                                    \
+  const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c0##v, 4));
+#define TLT_ROW(i, kk, l, h, c0, c1)                                                                           \
+  if constexpr (R > i) {                                                                                       \
+    const __m256 xv = _mm256_broadcast_ss(x + i * ldx + (kk));                                                 \
+    l##i = _mm256_fmadd_ps(xv, c0, l##i);                                                                      \
+    h##i = _mm256_fmadd_ps(xv, c1, h##i);                                                                      \
+  }
+  int64_t k = 0;
+  for (; k + 2 <= n; k += 2) {
+    if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 8 * AHEAD) * 8), _MM_HINT_T0);
+    TLT_CODES(k, a0, a1)
+    TLT_CODES(k + 1, b0, b1)
+    TLT_ROW(0, k, el, eh, a0, a1) TLT_ROW(1, k, el, eh, a0, a1)
+    TLT_ROW(0, k + 1, ol, oh, b0, b1) TLT_ROW(1, k + 1, ol, oh, b0, b1)
+  }
+  if (k < n) {  // an odd k-group (one over all of an odd K): its last input in the even chain
+    TLT_CODES(k, a0, a1)
+    TLT_ROW(0, k, el, eh, a0, a1) TLT_ROW(1, k, el, eh, a0, a1)
+  }
 #undef TLT_ROW
-    }
+#undef TLT_CODES
+  const __m256 scale0 = _mm256_loadu_ps(scales), scale1 = _mm256_loadu_ps(scales + 8);
+  const __m256 low0 = _mm256_loadu_ps(scales + GROUP), low1 = _mm256_loadu_ps(scales + GROUP + 8);
+#define TLT_FOLD(i)                                                                                            \
+  if constexpr (R > i) {                                                                                       \
+    const __m256 xs = _mm256_set1_ps(xsum[i * xsum_stride]);                                                   \
+    float* a = acc + i * GROUP;                                                                                \
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(low0, xs, _mm256_fmadd_ps(scale0, _mm256_add_ps(el##i, ol##i), _mm256_loadu_ps(a)))); \
+    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(low1, xs, _mm256_fmadd_ps(scale1, _mm256_add_ps(eh##i, oh##i), _mm256_loadu_ps(a + 8)))); \
   }
-#define TLT_STORE(i)                                                \
-  if constexpr (R > i) {                                            \
-    _mm256_storeu_ps(acc + i * GROUP, l##i);                        \
-    _mm256_storeu_ps(acc + i * GROUP + 8, h##i);                    \
-  }
-  TLT_STORE(0) TLT_STORE(1) TLT_STORE(2) TLT_STORE(3)
-#undef TLT_STORE
+  TLT_FOLD(0) TLT_FOLD(1)
+#undef TLT_FOLD
 }
 
-// group() on 4-bit weights: up to 4 rows in registers (direct4); more take every chunk of inputs expanded once, then
-// multiplied by every row block.
-TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const uint8_t* codes, const float* scales,
-                   int64_t kgroup, const float* bias, const float* residual, int64_t ldr, float* out, int64_t ldo,
-                   int64_t valid, float* acc, float* buf) {
-  switch (M) {  // a few rows: no buffer
-    case 1: direct4<1>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
-    case 2: direct4<2>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
-    case 3: direct4<3>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
-    case 4: direct4<4>(x, ldx, codes, scales, kgroup, K, acc); return finish(M, acc, bias, residual, ldr, out, ldo, valid);
-    default: break;
-  }
+// group() on 4-bit weights: k-group by k-group, the M rows in blocks of 2 (and one of 1 for odd M), each block
+// converting the k-group's codes itself (measured faster than the first leaving them in L1 for the others).
+TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const float* xsum, const uint8_t* codes,
+                   const float* scales, int64_t kgroup, const float* bias, const float* residual, int64_t ldr, float* out,
+                   int64_t ldo, int64_t valid, float* acc) {
+  const int64_t kgroups = K / kgroup;
   std::fill(acc, acc + M * GROUP, 0.0f);
-  for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
-    const int64_t k1 = std::min(K, k0 + CHUNK);
-    expand4(codes, scales, kgroup, k0, k1, buf);
-    all_blocks(M, x + k0, ldx, buf, 0, k1 - k0, acc, false);
+  for (int64_t q = 0; q < kgroups; ++q) {
+    const uint8_t* c = codes + q * kgroup * (GROUP / 2);
+    const float* sc = scales + q * 2 * GROUP;
+    for (int64_t r0 = 0; r0 < M; r0 += 2) {
+      const float* xr = x + r0 * ldx + q * kgroup;
+      const float* sr = xsum + r0 * kgroups + q;
+      if (M - r0 == 1) {
+        block4<1>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+      } else {
+        block4<2>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+      }
+    }
   }
   finish(M, acc, bias, residual, ldr, out, ldo, valid);
 }
@@ -270,6 +259,18 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+  std::vector<float> xsum;  // 4-bit weights: each row's sum of x over each k-group, in order
+  if (four) {
+    const int64_t kgroups = K / kgroup;
+    xsum.resize(M * kgroups);
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t q = 0; q < kgroups; ++q) {
+        float total = 0.0f;
+        for (int64_t k = q * kgroup; k < (q + 1) * kgroup; ++k) total += xp[r * ldx + k];
+        xsum[r * kgroups + q] = total;
+      }
+    }
+  }
   // Tiles of rows, each multiplied by every group; within a tile each thread takes a contiguous run of groups
   // (one stream of weights) and all the tile's rows for each. Up to TILE rows (every decode step of a small
   // batch) the weights stream once; past it each tile streams them again, and its arithmetic, not the stream,
@@ -278,7 +279,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
     const int64_t rows = std::min(TILE, M - t0);
     at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
       std::vector<float> acc(rows * GROUP);
-      std::vector<float> buf(four ? CHUNK * GROUP : 0);
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t c0 = g * GROUP;
         const float* gb = b ? b + c0 : nullptr;
@@ -286,9 +286,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
         float* go = op + t0 * N + c0;
         const int64_t valid = std::min(GROUP, N - c0);
         if (four) {
-          group4(rows, K, xp + t0 * ldx, ldx, packed.data_ptr<uint8_t>() + g * K * (GROUP / 2),
+          group4(rows, K, xp + t0 * ldx, ldx, xsum.data() + t0 * (K / kgroup), packed.data_ptr<uint8_t>() + g * K * (GROUP / 2),
                  scales->data_ptr<float>() + g * (K / kgroup) * 2 * GROUP, kgroup, gb, gr, ldr, go, N, valid,
-                 acc.data(), buf.data());
+                 acc.data());
         } else {
           group(rows, K, xp + t0 * ldx, ldx, packed.data_ptr<float>() + g * K * GROUP, gb, gr, ldr, go, N, valid,
                 acc.data());
