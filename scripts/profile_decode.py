@@ -6,8 +6,8 @@
     python scripts/profile_decode.py --model bench --dtype float32 --drafter-bits 4 --prompts 8
 
 runs a task's eval prompts (temperature 1.0) under `py-spy record`; `--model` (default: the default model)
-answers its own workload as the benches do (the bench policy: the bench task, its drafter and budget): by default one after
-another (the `tlt bench speculative` workload at batch 1); with `--batch B --samples G`, B prompts per
+answers its own workload as the benches do (the bench policy: the bench task, its drafter and budget): by
+default one after another (the `tlt bench speculative` workload at batch 1); with `--batch B --samples G`, B prompts per
 `generate` call with G samples each (16 x 8 is the `tlt bench rollout` workload). `--strategy` is
 `off`, `adaptive` or a strategy name. It prints, as shares of the decode steps' samples: the
 time inside decoder layers (target and drafter), each line of the fused layer step (its products and
@@ -106,12 +106,12 @@ def summarize(raw: Path, top: int) -> None:
 
 
 def main() -> None:
+    from tlt.bench import add_workload_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="tree-d4-k2-v8", help="'off', 'adaptive' or a strategy name")
     parser.add_argument("--model", default="default", help="'default', 'bench' or a model folder")
-    parser.add_argument("--drafter", help="drafter folder (default: the model's own)")
-    parser.add_argument("--task", help="built-in task (default: the model's own)")
-    parser.add_argument("--max-tokens", type=int, help="response budget (default: the task's longest solution)")
+    add_workload_arguments(parser)
     parser.add_argument("--dtype", default=None, help="decode dtype (default: the model's)")
     parser.add_argument("--drafter-bits", type=int, default=16, choices=(4, 16), help="EngineConfig.drafter_bits")
     parser.add_argument("--prompts", type=int, default=16)

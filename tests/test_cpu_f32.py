@@ -83,7 +83,7 @@ def test_it_checks_its_inputs(module):
     assert module.linear(torch.randn(0, 8), p, 20, None, None).shape == (0, 20)
 
 
-@pytest.mark.parametrize("N,K", [(16, 128), (40, 256), (100, 96), (33, 37), (250, 640)])
+@pytest.mark.parametrize("N,K", [(16, 128), (40, 256), (100, 96), (33, 37), (250, 640), (24, 192), (20, 50)])
 def test_4bit_products_are_products_by_the_unpacked_weight(module, N, K):
     """pack4 rounds each column and k-group to 16 levels (k-groups of 128, 64 or 32, else all of K); the kernel's
     product by the codes is the product by the weight they stand for (within float32 rounding: scale and low
@@ -92,7 +92,7 @@ def test_4bit_products_are_products_by_the_unpacked_weight(module, N, K):
     gen = torch.Generator().manual_seed(N + K)
     w, bias = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
     codes, scales = cpu_f32.pack4(w)
-    kgroup = next((g for g in (128, 64, 32) if K % g == 0), K)
+    kgroup = next((g for g in cpu_kernels.QGROUPS if K % g == 0), K)
     assert codes.shape == (-(-N // 16), K, 8) and codes.dtype == torch.uint8
     assert scales.shape == (-(-N // 16), K // kgroup, 2, 16)
     rounded = cpu_f32.unpack4(codes, scales, N)
@@ -101,12 +101,17 @@ def test_4bit_products_are_products_by_the_unpacked_weight(module, N, K):
     level = ((spread.max - spread.min) / 15).repeat_interleave(kgroup, dim=1)
     assert ((rounded - w).abs() <= level / 2 + 1e-5).all()
     assert len(torch.unique(rounded[0, :kgroup])) <= 16
-    x, residual = torch.randn(40, K, generator=gen), torch.randn(40, N, generator=gen)
+    x, residual = torch.randn(130, K, generator=gen), torch.randn(130, N, generator=gen)
     full = module.linear(x, codes, N, bias, residual, scales)
     exact = (x.double() @ rounded.double().T + bias.double() + residual.double()).float()
     assert torch.allclose(full, exact, rtol=1e-5, atol=1e-5 * K ** 0.5)
-    for start, stop in ((0, 1), (3, 5), (1, 4), (0, 4), (6, 13), (20, 40), (7, 8)):  # blocks of 1, 2 and 3 rows
+    # blocks of 2 rows and a last one of 1; tiles of 48 rows
+    for start, stop in ((0, 1), (3, 5), (1, 4), (0, 4), (6, 13), (20, 40), (7, 8), (47, 49), (100, 130)):
         assert torch.equal(module.linear(x[start:stop], codes, N, bias, residual[start:stop], scales), full[start:stop])
+    # rows with a stride (a slice of wider rows) read as contiguous ones, inputs and residual alike
+    wide, wide_residual = torch.randn(130, K + 9, generator=gen), torch.randn(130, N + 5, generator=gen)
+    wide[:, :K], wide_residual[:, :N] = x, residual
+    assert torch.equal(module.linear(wide[:, :K], codes, N, bias, wide_residual[:, :N], scales), full)
 
 
 def test_4bit_weights_check_their_scales(module):

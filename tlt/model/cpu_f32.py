@@ -14,16 +14,16 @@ runs at MKL's rate.
 4-bit weights (`pack4`, a drafter's `drafter_bits=4`: 16 levels per column and k-group of 128 inputs, as the
 bf16 kernels round them) stream an eighth of the float32 bytes, and expanding the codes, not memory, bounds
 their products: scale and low value are taken out of each k-group's sum, so the codes are multiplied as they
-are, each row's sum runs in two chains (even and odd inputs) and rows come in blocks of up to 3. A row's result
+are, each row's sum runs in two chains (even and odd inputs) and rows come in blocks of 2. A row's result
 does not depend on the rows beside it; it is the product by the weight the codes stand for (`unpack4`) within
 float32 rounding.
 
 On that path the layer's rms norms take the kernel's `rms_norm` too (tlt/model/fused.py): a few microseconds a
 call where `F.rms_norm`'s operators take 50-95 (`python scripts/profile_forward_ops.py`).
 
-Each output element is one float32 sum over the inputs in order, whatever the number of rows, so a row's
-result does not depend on how many rows are multiplied (oneDNN's float32 kernels round differently by
-row count): a verification's products give each row what the one-token step's do, bit for bit.
+On float32 weights each output element is one float32 sum over the inputs in order, whatever the number of
+rows, so a row's result does not depend on how many rows are multiplied (oneDNN's float32 kernels round
+differently by row count): a verification's products give each row what the one-token step's do, bit for bit.
 
 `preferred()`: the kernel takes large float32 weights (packed.should_pack) on CPUs with AVX2 and FMA but
 no AVX-512, where it was measured; CPUs with AVX-512 keep oneDNN's float32 products. The extension is built
@@ -92,11 +92,10 @@ def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale, then its low value (the weight is scale * code + low)."""
     N, K = weight.shape
     codes, scale, low = cpu_kernels.levels4(weight, GROUP)
-    groups, kgroups = codes.shape[0] // GROUP, scale.shape[1]
+    groups = codes.shape[0] // GROUP
     codes = codes.view(groups, GROUP, K).transpose(1, 2)  # [G, K, 16]
     packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2 :] << 4)
-    scales = torch.stack([scale, low], dim=1).view(groups, GROUP, 2, kgroups).permute(0, 3, 2, 1)
-    return packed.contiguous(), scales.contiguous()
+    return packed.contiguous(), cpu_kernels.scales_by_group(scale, low, GROUP)
 
 
 def unpack4(packed: torch.Tensor, scales: torch.Tensor, N: int) -> torch.Tensor:

@@ -166,6 +166,14 @@ def levels4(weight: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Ten
     return codes, scale.squeeze(-1), low.squeeze(-1)
 
 
+def scales_by_group(first: torch.Tensor, second: torch.Tensor, columns: int) -> torch.Tensor:
+    """Two per-column, per-k-group values [N', K / kgroup] -> [N' / columns, K / kgroup, 2, columns]: a group of
+    `columns` output columns holds, per k-group, its columns' first values, then their second ones."""
+    rows, kgroups = first.shape
+    stacked = torch.stack([first, second], dim=1).view(rows // columns, columns, 2, kgroups)
+    return stacked.permute(0, 3, 2, 1).contiguous()
+
+
 def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] (K even) rounded as `levels4` does -> (codes [ceil(N / 32), K / 2, 32] uint8, scales
     [ceil(N / 32), K / group, 2, 32] float32). Byte i
@@ -174,12 +182,10 @@ def pack4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     form the kernel adds (it multiplies codes as the bf16 numbers 128 + code)."""
     N, K = weight.shape
     codes, scale, low = levels4(weight, GROUP)
-    groups, kgroups = codes.shape[0] // GROUP, scale.shape[1]
+    groups = codes.shape[0] // GROUP
     codes = codes.view(groups, GROUP, K // 2, 2).permute(0, 2, 1, 3)  # [G, K / 2, 32 columns, 2]
     packed = codes[:, :, :16].reshape(groups, K // 2, GROUP) | (codes[:, :, 16:].reshape(groups, K // 2, GROUP) << 4)
-    scales = torch.stack([scale, low - 128 * scale], dim=1)  # [G * 32, 2, K / kgroup]
-    scales = scales.view(groups, GROUP, 2, kgroups).permute(0, 3, 2, 1).contiguous()
-    return packed.contiguous(), scales
+    return packed.contiguous(), scales_by_group(scale, low - 128 * scale, GROUP)
 
 
 def unpack4(packed: torch.Tensor, scales: torch.Tensor, N: int) -> torch.Tensor:

@@ -27,8 +27,8 @@ class EngineConfig:
     "auto" for a drafter that records none: the whole context; see SpeculativeDecoder: drafts only, the
     samples are unchanged). drafter_bits: 4 drafts on the drafter's weights
     rounded to 4 bits where tlt's CPU kernels run it (a quarter of bf16 weights' bytes, an eighth of float32
-    ones'; the samples are unchanged, verification being the target's), 16 on its weights as they are (Drafter.set_weight_bits;
-    a Drafter object given here is set to that width, so engines sharing one share its width)."""
+    ones'; the samples are unchanged, verification being the target's), 16 on its weights as they are
+    (Drafter.set_weight_bits; a Drafter object given here is set to that width, so engines sharing one share its width)."""
 
     max_batch_size: int = 256
     kv_budget_tokens: int | None = None

@@ -124,9 +124,9 @@ class Drafter(ColumnMajorLinears, nn.Module):
         the layer's products, where tlt's CPU kernels run them, stream a quarter of the bytes of bf16 weights
         (tlt's bf16 kernels) or an eighth of float32 ones (its AVX2 float32 kernel): a drafter's forward over
         a few tokens is bound by streaming its weights (fc and the layer are about a tenth of a 12-layer
-        policy's, and a depth-4 draft reads them four times a step). Elsewhere (a GPU, float32 weights
-        under PACK_MIN_BYTES or on AVX-512 CPUs) the drafter drafts on its parameters as they are. Rounding changes only what is drafted:
-        verification is the target's, so the samples stay those of plain decoding. Training reads the
+        policy's, and a depth-4 draft reads them four times a step). Weights that no tlt CPU kernel takes (on a
+        GPU, float32 ones under PACK_MIN_BYTES or on AVX-512 CPUs, with TLT_CPU_KERNELS=0) stay as they are.
+        Rounding changes only what is drafted: verification is the target's, so the samples stay those of plain decoding. Training reads the
         parameters, never the rounded copy."""
         self.layer.set_weight_bits(bits)
         self.weight_bits, self._fc = bits, Prepared()

@@ -9,9 +9,9 @@
 // come in tiles of 48, each multiplied by every group in turn, so many rows (a log-prob pass) reread the
 // weights per tile rather than their inputs per group.
 //
-// Each output element is one float32 accumulator summed over k in order (one fused multiply-add per k),
-// whatever the number of rows or the block a row falls in: a row's result does not depend on how many
-// rows are multiplied (a draft's verification gives the one-token step's values bit for bit). Bias and
+// On float32 weights each output element is one float32 accumulator summed over k in order (one fused
+// multiply-add per k), whatever the number of rows or the block a row falls in: a row's result does not depend
+// on how many rows are multiplied (a draft's verification gives the one-token step's values bit for bit). Bias and
 // residual are added after the sum, in that order.
 //
 // 4-bit weights (a drafter's, cpu_f32.pack4): per group and input k, 8 bytes whose byte j holds the code of
@@ -40,7 +40,7 @@ constexpr int64_t BLOCK = 6;   // rows per register block: 12 accumulators, 2 we
 
 constexpr int64_t CHUNK = 128;  // inputs per pass of every row block over a group (8 KB of its weights)
 constexpr int64_t TILE = 48;    // rows multiplied by every group before the next rows: x's rows stay in cache
-constexpr int64_t AHEAD = 48;   // inputs (cache lines of a group's float32 weights) requested ahead of the multiply
+constexpr int64_t AHEAD = 48;   // cache lines requested ahead: of float32 weights (an input each), of codes (8 inputs)
 
 // Partial sums acc[r, 0:16] (row stride 16) of rows r < R of x go on over inputs k0 <= k < k1 of one group's
 // weights w [K, 16]. The accumulators are named variables, not an array, so that the compiler keeps all 12 in
@@ -137,7 +137,7 @@ TARGET void group(int64_t M, int64_t K, const float* x, int64_t ldx, const float
 
 // acc[r, 0:16] (row stride 16) += scale * sum_k x[r, k] code_k + low * xsum[r] over one k-group of n inputs of a
 // group's 4-bit weights (codes [n, 8], scales [2, 16]), for rows r < R (R <= 2: 8 partial sums in registers).
-template <int R>
+template <int R, bool PREFETCH>
 TARGET void block4(const float* x, int64_t ldx, const float* xsum, int64_t xsum_stride, const uint8_t* codes,
                    const float* scales, int64_t n, float* acc) {
   const __m256i low_nibble = _mm256_set1_epi32(15);
@@ -155,7 +155,7 @@ TARGET void block4(const float* x, int64_t ldx, const float* xsum, int64_t xsum_
   }
   int64_t k = 0;
   for (; k + 2 <= n; k += 2) {
-    if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 8 * AHEAD) * 8), _MM_HINT_T0);
+    if (PREFETCH && k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 8 * AHEAD) * 8), _MM_HINT_T0);
     TLT_CODES(k, a0, a1)
     TLT_CODES(k + 1, b0, b1)
     TLT_ROW(0, k, el, eh, a0, a1) TLT_ROW(1, k, el, eh, a0, a1)
@@ -173,8 +173,10 @@ TARGET void block4(const float* x, int64_t ldx, const float* xsum, int64_t xsum_
   if constexpr (R > i) {                                                                                       \
     const __m256 xs = _mm256_set1_ps(xsum[i * xsum_stride]);                                                   \
     float* a = acc + i * GROUP;                                                                                \
-    _mm256_storeu_ps(a, _mm256_fmadd_ps(low0, xs, _mm256_fmadd_ps(scale0, _mm256_add_ps(el##i, ol##i), _mm256_loadu_ps(a)))); \
-    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(low1, xs, _mm256_fmadd_ps(scale1, _mm256_add_ps(eh##i, oh##i), _mm256_loadu_ps(a + 8)))); \
+    const __m256 sum0 = _mm256_fmadd_ps(scale0, _mm256_add_ps(el##i, ol##i), _mm256_loadu_ps(a));             \
+    const __m256 sum1 = _mm256_fmadd_ps(scale1, _mm256_add_ps(eh##i, oh##i), _mm256_loadu_ps(a + 8));         \
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(low0, xs, sum0));                                                      \
+    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(low1, xs, sum1));                                                  \
   }
   TLT_FOLD(0) TLT_FOLD(1)
 #undef TLT_FOLD
@@ -183,8 +185,8 @@ TARGET void block4(const float* x, int64_t ldx, const float* xsum, int64_t xsum_
 // group() on 4-bit weights: k-group by k-group, the M rows in blocks of 2 (and one of 1 for odd M), each block
 // converting the k-group's codes itself (measured faster than the first leaving them in L1 for the others).
 TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const float* xsum, const uint8_t* codes,
-                   const float* scales, int64_t kgroup, const float* bias, const float* residual, int64_t ldr, float* out,
-                   int64_t ldo, int64_t valid, float* acc) {
+                   const float* scales, int64_t kgroup, const float* bias, const float* residual, int64_t ldr,
+                   float* out, int64_t ldo, int64_t valid, float* acc) {
   const int64_t kgroups = K / kgroup;
   std::fill(acc, acc + M * GROUP, 0.0f);
   for (int64_t q = 0; q < kgroups; ++q) {
@@ -193,10 +195,14 @@ TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const floa
     for (int64_t r0 = 0; r0 < M; r0 += 2) {
       const float* xr = x + r0 * ldx + q * kgroup;
       const float* sr = xsum + r0 * kgroups + q;
-      if (M - r0 == 1) {
-        block4<1>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+      if (M == 1) {  // the first block requests the codes ahead, the others find them in cache
+        block4<1, true>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+      } else if (M - r0 == 1) {
+        block4<1, false>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+      } else if (r0 == 0) {
+        block4<2, true>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
       } else {
-        block4<2>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+        block4<2, false>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
       }
     }
   }
@@ -212,8 +218,8 @@ bool cpu_has_avx2_fma() {
 
 bool supported() { return cpu_has_avx2_fma(); }
 
-// x [M, K] (rows contiguous) times the packed weight -> [M, N] float32, plus bias [N] and residual [M, N] when
-// given. The weight is float32 [G, K, 16] (cpu_f32.pack), or 4-bit codes [G, K, 8] uint8 with their scales
+// x [M, K] (columns contiguous, any row stride) times the packed weight -> [M, N] float32, plus bias [N] and
+// residual [M, N] when given. The weight is float32 [G, K, 16] (cpu_f32.pack), or 4-bit codes [G, K, 8] uint8 with their scales
 // [G, K / kgroup, 2, 16] float32 (cpu_f32.pack4).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& residual, const c10::optional<torch::Tensor>& scales) {
@@ -231,13 +237,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "packed weight has K = ", packed.size(1), ", x has ", K);
   TORCH_CHECK(N >= 1 && (N + GROUP - 1) / GROUP == G, "N = ", N, " does not fill ", G, " groups of ", GROUP);
-  int64_t kgroup = K;
+  int64_t kgroup = K, kgroups = 1;
   if (four) {
     TORCH_CHECK(scales->is_cpu() && scales->dim() == 4 && scales->size(0) == G && scales->size(2) == 2 &&
                 scales->size(3) == GROUP && scales->is_contiguous() && scales->scalar_type() == torch::kFloat &&
-                scales->size(1) >= 1 && K % scales->size(1) == 0,
+                K >= 1 && scales->size(1) >= 1 && K % scales->size(1) == 0,
                 "scales: [groups, K / kgroup, 2, 16] float32, contiguous (cpu_f32.pack4)");
-    kgroup = K / scales->size(1);
+    kgroups = scales->size(1);
+    kgroup = K / kgroups;
   }
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -261,7 +268,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const int64_t ldx = x.stride(0);
   std::vector<float> xsum;  // 4-bit weights: each row's sum of x over each k-group, in order
   if (four) {
-    const int64_t kgroups = K / kgroup;
     xsum.resize(M * kgroups);
     for (int64_t r = 0; r < M; ++r) {
       for (int64_t q = 0; q < kgroups; ++q) {
@@ -286,9 +292,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
         float* go = op + t0 * N + c0;
         const int64_t valid = std::min(GROUP, N - c0);
         if (four) {
-          group4(rows, K, xp + t0 * ldx, ldx, xsum.data() + t0 * (K / kgroup), packed.data_ptr<uint8_t>() + g * K * (GROUP / 2),
-                 scales->data_ptr<float>() + g * (K / kgroup) * 2 * GROUP, kgroup, gb, gr, ldr, go, N, valid,
-                 acc.data());
+          group4(rows, K, xp + t0 * ldx, ldx, xsum.data() + t0 * kgroups,
+                 packed.data_ptr<uint8_t>() + g * K * (GROUP / 2), scales->data_ptr<float>() + g * kgroups * 2 * GROUP,
+                 kgroup, gb, gr, ldr, go, N, valid, acc.data());
         } else {
           group(rows, K, xp + t0 * ldx, ldx, packed.data_ptr<float>() + g * K * GROUP, gb, gr, ldr, go, N, valid,
                 acc.data());
