@@ -200,6 +200,31 @@ def test_several_drafter_windows_run_each_drafter_strategy_once_per_window(tmp_p
     assert record["ratios"]["same_samples"] is True
 
 
+def test_drafter_bits_reach_every_drafting_engine_and_leave_the_samples(tmp_path, monkeypatch):
+    """--drafter-bits 4: the fixed and adaptive engines draft on the 4-bit drafter; samples stay plain decoding's."""
+    from tlt.cli import main
+    from tlt.rollout import RolloutEngine
+
+    seen = []
+    original = RolloutEngine.__init__
+
+    def recording(self, model, config=None, **kwargs):
+        seen.append((config.drafter is not None, config.drafter_bits))
+        original(self, model, config=config, **kwargs)
+
+    monkeypatch.setattr(RolloutEngine, "__init__", recording)
+    save_tiny_model_and_drafter(tmp_path)
+    out = tmp_path / "rollout.json"
+    code = main(["bench", "rollout", "--model", str(tmp_path / "model"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", "2", "--samples", "2", "--max-tokens", "16", "--repeats", "1", "--skip-hf",
+                 "--strategies", "tree-d2-k2-v3", "--adaptive", "--drafter-bits", "4",
+                 "--json", str(out), "--plot", str(tmp_path / "live.png")])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["drafter_bits"] == 4 and record["ratios"]["same_samples"] is True
+    assert (True, 4) in seen and all(bits == 4 for drafts, bits in seen if drafts)
+
+
 def test_hf_repeats_runs_transformers_in_the_first_repeats_and_pairs_its_ratios(tmp_path):
     """`--hf-repeats 1` of 2 repeats: transformers runs once, and its ratios pair it with the tlt runs
     of that repeat."""

@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "over; 0: the whole context; EngineConfig.drafter_window): with one, "
                              "every system drafts with it; with several, each drafter strategy runs once per window "
                              "as STRATEGY:wW, side by side, and the adaptive engines take the first")
+    parser.add_argument("--drafter-bits", type=int, choices=(4, 16), default=16,
+                        help="every drafting system drafts on the drafter's weights rounded to 4 bits where tlt's CPU "
+                             "kernels run them, or as they are (16; EngineConfig.drafter_bits): drafts only, the "
+                             "samples are unchanged")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="the weights' dtype for every system, tlt's and transformers' alike")
     parser.add_argument("--baseline-dtype", choices=DTYPE_NAMES, default=None,
@@ -321,14 +325,16 @@ def run(args: argparse.Namespace) -> int:
     for name in strategies:
         variants = windows if len(windows) > 1 and Strategy.parse(name).uses_drafter else windows[:1]
         for window in variants:
-            config = EngineConfig(speculative="on", strategy=name, drafter=drafter, drafter_window=window)
+            config = EngineConfig(speculative="on", strategy=name, drafter=drafter, drafter_window=window,
+                                  drafter_bits=args.drafter_bits)
             label = f"tlt_{name}:w{window or 0}" if len(variants) > 1 else f"tlt_{name}"
             systems[label] = lambda r, a=args, p=prompts, config=config: run_tlt(model, p, a, r, config)
     adaptive = dict(([(ADAPTIVE, TunerConfig())] if args.adaptive else []) +
                     [(f"{ADAPTIVE}:{'+'.join(arms)}", TunerConfig(arms=arms)) for arms in arm_sets])  # name -> tuner
     adaptive.update(tuners)
     for name, tuner in adaptive.items():
-        config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner, drafter_window=windows[0])
+        config = EngineConfig(speculative="adaptive", drafter=drafter, tuner=tuner, drafter_window=windows[0],
+                              drafter_bits=args.drafter_bits)
         systems[name] = carried_tuner(lambda r, state, config=config: run_tlt(model, prompts, args, r, config, state))
     baseline = baseline_name(args.baseline_dtype, args.dtype)
     if baseline is not None:
