@@ -3,13 +3,13 @@
 Where the CPU has no AVX-512 (AMD's Zen 3 EPYC, for one) tlt decodes in float32: oneDNN packs no bf16 there
 and PyTorch's own bf16 products are several times slower (tlt/model/packed.py). oneDNN's prepacked float32
 products cost about twice as much at 2-9 rows as at one: on 2 cores of a Zen 3 EPYC the bench policy's 48
-products (368 MB) took 15.0 ms at one row and 24.0-32.4 ms at 2-9 rows, where this kernel takes 12.0 ms and
-12.8-15.6 ms (`python scripts/f32_rows.py --threads 2`, docs/results/f32_rows_zen3.json). Blocks of up to 6
+products (368 MB) took 18.7 ms at one row and 24.1-32.5 ms at 2-9 rows, where this kernel takes 13.9 ms and
+14.5-16.7 ms (`python scripts/f32_rows.py --threads 2`, docs/results/f32_rows_zen3.json). Blocks of up to 6
 rows (of nearly equal size) take a weight group's inputs chunk by chunk, all blocks one chunk before the next,
 so the group streams from memory once while every block multiplies by it; from about 9 rows the products are
-bound by AVX2's arithmetic (32 FLOP a cycle a core), and at 256 rows it runs 169 GFLOP/s against oneDNN's
-151. Rows come in tiles of 48, so a pass over thousands of rows (log-probs) rereads the weights per tile and
-runs at MKL's rate.
+bound by AVX2's arithmetic (32 FLOP a cycle a core), and at 64-256 rows it runs 159 GFLOP/s against oneDNN's
+119-129. Rows come in tiles of 48, so a pass over thousands of rows (log-probs) rereads the weights per tile and
+runs at about MKL's rate.
 
 4-bit weights (`pack4`, a drafter's `drafter_bits=4`: 16 levels per column and k-group of 128 inputs, as the
 bf16 kernels round them) stream an eighth of the float32 bytes, and expanding the codes, not memory, bounds

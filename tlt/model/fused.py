@@ -144,7 +144,7 @@ def _normed(x: torch.Tensor, eps: float, kernels=None) -> torch.Tensor:
 def _norms(fused: FusedWeights):
     """The kernels whose rms norm the layer's operator path takes: tlt's bf16 kernels, or its float32 kernel where
     the products run on it (F.rms_norm's operators cost 50-95 us a call there, these a few), else None."""
-    return fused.qkv.kernels or fused.qkv.f32_kernel
+    return fused.qkv.kernel
 
 
 def _qk_normed(fused: FusedWeights, qk: torch.Tensor) -> torch.Tensor:

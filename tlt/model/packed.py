@@ -98,16 +98,18 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels_for(weight)
         self.f32_kernel = f32_kernel_for(weight)
-        self.packed = self.kernels is not None or self.f32_kernel is not None or should_pack(weight)
+        # the compiled module whose `linear` multiplies by this weight (tlt's bf16 or float32 kernel), or None
+        self.kernel = self.kernels if self.kernels is not None else self.f32_kernel
+        self.on_kernel = self.kernel is not None
+        self.packed = self.on_kernel or should_pack(weight)
         self.scales = None  # of 4-bit weights
-        if self.f32_kernel is not None and bits == 4:
-            (self.weight, self.scales), self.weight_t = cpu_f32.pack4(weight), None
-        elif self.f32_kernel is not None:
-            self.weight, self.weight_t = cpu_f32.pack(weight), None
-        elif self.kernels is not None and bits == 4:
-            (self.weight, self.scales), self.weight_t = cpu_kernels.pack4(weight), None
-        elif self.kernels is not None:
-            self.weight, self.weight_t = cpu_kernels.pack(weight), None
+        if self.on_kernel:  # each kernel's module packs for it: pack, or pack4 for 4-bit weights
+            packing = cpu_kernels if self.kernels is not None else cpu_f32
+            if bits == 4:
+                self.weight, self.scales = packing.pack4(weight)
+            else:
+                self.weight = packing.pack(weight)
+            self.weight_t = None
         elif self.packed:
             # The batch-size hint only picks the reorder's blocking; 1 serves decode rows best.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
@@ -115,7 +117,6 @@ class PackedLinear:
         else:
             self.weight = laid_out(weight)
             self.weight_t = self.weight.t()  # [in, out], for addmm
-        self.on_kernel = self.kernels is not None or self.f32_kernel is not None
         if bias is not None and self.on_kernel:
             bias = bias.float().contiguous()  # the kernels add a float32 bias
         self.bias = bias
@@ -144,8 +145,7 @@ class PackedLinear:
 
     def _kernel_linear(self, rows: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """rows [N, in] @ weight^T (+ bias) (+ residual [N, out]) on tlt's kernel: the bf16 one, or the float32 one."""
-        kernel = self.kernels if self.kernels is not None else self.f32_kernel
-        return kernel.linear(rows, self.weight, self.out_features, self.bias, residual, self.scales)
+        return self.kernel.linear(rows, self.weight, self.out_features, self.bias, residual, self.scales)
 
     def _padded(self, rows: torch.Tensor) -> torch.Tensor:
         """A single bf16 row repeated ONE_ROW_PAD times: oneDNN's one-row bf16 kernel streams the weight

@@ -91,8 +91,8 @@ TARGET void rows_block(int64_t rows, const float* x, int64_t ldx, const float* w
 // M rows times inputs k0 <= k < k1 of one group (w [K, 16]), in ceil(M / 6) blocks of nearly equal size (9 rows:
 // 5 and 4, each with enough independent sums to keep both FMA pipes busy, where 6 and 3 would leave the 3-row
 // block waiting on its sums). Over more than one row the first block requests the weights ahead of its multiply,
-// so the next chunk arrives from memory while this one is multiplied (9 rows of the bench policy's products:
-// 16.4 against 17.8 ms); a single row streams as fast without (13.1 against 14.0 ms).
+// so the next chunk arrives from memory while this one is multiplied; a single row streams as fast without (the
+// hardware prefetcher keeps up with it).
 TARGET void all_blocks(int64_t M, const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, float* acc,
                        bool prefetch) {
   const int64_t blocks = (M + BLOCK - 1) / BLOCK;
@@ -182,8 +182,19 @@ TARGET void block4(const float* x, int64_t ldx, const float* xsum, int64_t xsum_
 #undef TLT_FOLD
 }
 
+template <bool PREFETCH>
+TARGET void rows_block4(int64_t rows, const float* x, int64_t ldx, const float* xsum, int64_t xsum_stride,
+                        const uint8_t* codes, const float* scales, int64_t n, float* acc) {
+  if (rows == 1) {
+    block4<1, PREFETCH>(x, ldx, xsum, xsum_stride, codes, scales, n, acc);
+  } else {
+    block4<2, PREFETCH>(x, ldx, xsum, xsum_stride, codes, scales, n, acc);
+  }
+}
+
 // group() on 4-bit weights: k-group by k-group, the M rows in blocks of 2 (and one of 1 for odd M), each block
-// converting the k-group's codes itself (measured faster than the first leaving them in L1 for the others).
+// converting the k-group's codes itself (faster here than the first block leaving them converted in L1 for the
+// others); the first requests the codes ahead, the others find them in cache.
 TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const float* xsum, const uint8_t* codes,
                    const float* scales, int64_t kgroup, const float* bias, const float* residual, int64_t ldr,
                    float* out, int64_t ldo, int64_t valid, float* acc) {
@@ -195,14 +206,11 @@ TARGET void group4(int64_t M, int64_t K, const float* x, int64_t ldx, const floa
     for (int64_t r0 = 0; r0 < M; r0 += 2) {
       const float* xr = x + r0 * ldx + q * kgroup;
       const float* sr = xsum + r0 * kgroups + q;
-      if (M == 1) {  // the first block requests the codes ahead, the others find them in cache
-        block4<1, true>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
-      } else if (M - r0 == 1) {
-        block4<1, false>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
-      } else if (r0 == 0) {
-        block4<2, true>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+      const int64_t rows = std::min<int64_t>(2, M - r0);
+      if (r0 == 0) {
+        rows_block4<true>(rows, xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
       } else {
-        block4<2, false>(xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
+        rows_block4<false>(rows, xr, ldx, sr, kgroups, c, sc, kgroup, acc + r0 * GROUP);
       }
     }
   }
