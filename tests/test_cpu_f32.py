@@ -187,3 +187,115 @@ def test_rms_norm_equals_pytorchs_per_row(module, D):
     assert torch.equal(module.rms_norm(x[1:2, 2:4].contiguous(), None, 1e-6), module.rms_norm(x, None, 1e-6)[1:2, 2:4])
     with pytest.raises(RuntimeError, match="weight"):
         module.rms_norm(x, torch.randn(D + 1), 1e-6)
+
+
+def _reference_attention(q, keys, values, S, mask):
+    """q [B, T, H, D] over the first S slots by PyTorch's attention -> [B, T, H D]."""
+    B, T, H, D = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), keys[:, :, :S], values[:, :, :S], attn_mask=mask, is_causal=mask is None and T > 1,
+        enable_gqa=True)
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+@pytest.mark.parametrize("D", [12, 48, 64])
+def test_attention_sees_only_its_keys_and_equals_pytorchs(module, D):
+    """Queries of a 4-node tree after rows of 7 and 4 cached tokens (4 query heads over 2 kv heads) give PyTorch's
+    attention within float32 rounding; each query's result is bit for bit what a query over only the keys it sees,
+    in consecutive slots and without a mask, gets (a tree node's query equals plain decoding's at its place), whatever
+    the hidden slots hold (NaN included); without a mask the new tokens are causal over the last T slots."""
+    gen = torch.Generator().manual_seed(D)
+    B, T, H, Hkv, C = 2, 4, 4, 2, 16
+    lengths = torch.tensor([7, 4])
+    S = int(lengths.max()) + T
+    keys, values = torch.randn(B, Hkv, C, D, generator=gen), torch.randn(B, Hkv, C, D, generator=gen)
+    q = torch.randn(B, T, H, D, generator=gen)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    visible = torch.zeros(B, T, S, dtype=torch.bool)
+    for b in range(B):
+        n = int(lengths[b])
+        visible[b, :, :n] = True
+        visible[b, :, n : n + T] = tree
+    mask = torch.zeros(B, 1, T, S).masked_fill(~visible[:, None], float("-inf"))
+    out = module.attention(q, keys, values, S, mask)
+    assert torch.allclose(out, _reference_attention(q, keys, values, S, mask), atol=1e-5)
+    poisoned_keys, poisoned_values = keys.clone(), values.clone()
+    blind = ~visible.any(1)  # [B, S]: slots no query of the row sees (the shorter row's)
+    assert blind.any()
+    poisoned_keys.permute(0, 2, 1, 3)[:, :S][blind] = float("nan")
+    poisoned_values.permute(0, 2, 1, 3)[:, :S][blind] = float("nan")
+    assert torch.equal(module.attention(q, poisoned_keys, poisoned_values, S, mask), out)
+    middle = mask.clone()
+    middle[0, :, :, 2] = float("-inf")  # a slot between visible ones, hidden from every query of row 0
+    poisoned_keys[0, :, 2] = poisoned_values[0, :, 2] = float("nan")
+    assert torch.equal(module.attention(q, poisoned_keys, poisoned_values, S, middle),
+                       module.attention(q, keys, values, S, middle))
+    for b in range(B):
+        for t in range(T):
+            seen = visible[b, t].nonzero().flatten()
+            alone = module.attention(q[b : b + 1, t : t + 1].contiguous(), keys[b : b + 1, :, seen].contiguous(),
+                                     values[b : b + 1, :, seen].contiguous(), len(seen), None)
+            assert torch.equal(alone[0, 0], out[b, t])
+    assert torch.allclose(module.attention(q, keys, values, S, None), _causal_tail(q, keys, values, S), atol=1e-5)
+
+
+def _causal_tail(q, keys, values, S):
+    """q's T new tokens seeing every slot before the last T and the new ones up to themselves."""
+    B, T = q.shape[:2]
+    allowed = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    mask = torch.zeros(T, S).masked_fill(~allowed, float("-inf")).expand(B, 1, T, S)
+    return _reference_attention(q, keys, values, S, mask)
+
+
+def test_attention_computes_only_the_counted_tokens(module):
+    """With counts, row b's tokens past counts[b] come back as zeros and the others as without counts."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 4, 16, generator=gen)
+    keys, values = torch.randn(2, 2, 8, 16, generator=gen), torch.randn(2, 2, 8, 16, generator=gen)
+    mask = torch.zeros(2, 1, 3, 8)
+    full = module.attention(q, keys, values, 8, mask)
+    counted = module.attention(q, keys, values, 8, mask, torch.tensor([3, 1]))
+    assert torch.equal(counted[0], full[0]) and torch.equal(counted[1, :1], full[1, :1])
+    assert not counted[1, 1:].any()
+    with pytest.raises(RuntimeError, match="mask must be"):
+        module.attention(q, keys, values, 8, torch.zeros(2, 1, 3, 7))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_write_equals_the_operators(module, norm):
+    """The per-head norm (q_norm's weights, then k_norm's), RoPE and the cache write of a stacked q|k|v: q comes back
+    as the operators compute it, k and v land at each row's next slots, nothing else in the cache changes."""
+    from tlt.model.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(2)
+    B, T, H, Hkv, D = 2, 3, 4, 2, 12
+    qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=gen)
+    weight = torch.randn(H + Hkv, D, generator=gen) if norm else None
+    cos, sin = torch.randn(B, T, D, generator=gen), torch.randn(B, T, D, generator=gen)
+    keys, values = torch.randn(B, Hkv, 10, D, generator=gen), torch.randn(B, Hkv, 10, D, generator=gen)
+    before_k, before_v = keys.clone(), values.clone()
+    slots = torch.tensor([5, 2])
+    q = module.rope_write(qkv, H, weight, 1e-6, cos, sin, keys, values, slots)
+    qk = qkv[:, :, : H + Hkv]
+    if norm:
+        qk = torch.nn.functional.rms_norm(qk, (D,), None, 1e-6) * weight
+    qk = apply_rope(qk, cos[:, :, None], sin[:, :, None])
+    assert q.shape == (B, T, H, D) and torch.allclose(q, qk[:, :, :H], atol=1e-5)
+    for b in range(B):
+        s = int(slots[b])
+        assert torch.allclose(keys[b, :, s : s + T], qk[b, :, H:].transpose(0, 1), atol=1e-5)
+        assert torch.equal(values[b, :, s : s + T], qkv[b, :, H + Hkv :].transpose(0, 1))
+        untouched = torch.ones(10, dtype=torch.bool)
+        untouched[s : s + T] = False
+        assert torch.equal(keys[b, :, untouched], before_k[b, :, untouched])
+        assert torch.equal(values[b, :, untouched], before_v[b, :, untouched])
+    with pytest.raises(RuntimeError, match="past the cache buffers"):
+        module.rope_write(qkv, H, weight, 1e-6, cos, sin, keys, values, torch.tensor([8, 0]))
+
+
+def test_silu_mul_equals_the_operators(module):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(5, 2 * 37, generator=gen) * 8
+    expected = torch.nn.functional.silu(gate_up[:, :37]) * gate_up[:, 37:]
+    assert torch.allclose(module.silu_mul(gate_up), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(module.silu_mul(gate_up[2:3]), module.silu_mul(gate_up)[2:3])

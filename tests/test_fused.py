@@ -284,15 +284,23 @@ def test_bf16_and_float32_caches_give_the_same_logits(tiny_model):
     assert torch.equal(logits[torch.bfloat16], logits[torch.float32])
 
 
-@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="tlt's bf16 CPU kernels do not run on this machine")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tree", [False, True])
-def test_right_padded_rows_run_packed_with_the_padded_forwards_bits(tiny_model, monkeypatch, tree):
+def test_right_padded_rows_run_packed_with_the_padded_forwards_bits(tiny_model, monkeypatch, tree, dtype):
     """A cached forward whose rows carry 4, 1 and 3 real tokens of 4 (right-padded drafts, prompts of
     different lengths) runs its layers on the 8 real tokens only, and every real token's logits, features
-    and layer outputs are those of the forward over the padded [3, 4] (packing turned off) bit for bit."""
+    and layer outputs are those of the forward over the padded [3, 4] (packing turned off) bit for bit: on tlt's bf16
+    kernels, and on its float32 kernel (forced on the tiny weights, as a large float32 model's on an AVX2 CPU)."""
     import tlt.model.transformer as transformer
 
-    half = tiny_model(seed=6).bfloat16()
+    if dtype == torch.bfloat16 and cpu_kernels.kernels() is None:
+        pytest.skip("tlt's bf16 CPU kernels do not run on this machine")
+    if dtype == torch.float32:
+        if cpu_f32.kernels() is None:
+            pytest.skip("tlt's float32 CPU kernel does not run here")
+        monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
+        monkeypatch.setattr(packed, "F32_KERNEL", True)
+    half = tiny_model(seed=6).to(dtype)
     ids = torch.randint(3, 61, (3, 10), generator=torch.Generator().manual_seed(4))
     real = torch.tensor([[True] * 4, [True, False, False, False], [True, True, True, False]])
     masks = {}
@@ -300,8 +308,10 @@ def test_right_padded_rows_run_packed_with_the_padded_forwards_bits(tiny_model, 
         masks = dict(tree_mask=torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]).bool().expand(3, 4, 4),
                      position_ids=torch.tensor([0, 1, 1, 2]).expand(3, 4))
     seen = []
-    layer_step = cpu_kernels.kernels().layer_step
-    monkeypatch.setattr(half.model.layers[0].fused_weights().qkv.kernels, "layer_step",
+    kernel = half.model.layers[0].fused_weights().step_kernel
+    assert kernel is (cpu_kernels.kernels() if dtype == torch.bfloat16 else cpu_f32.kernels())
+    layer_step = kernel.layer_step
+    monkeypatch.setattr(kernel, "layer_step",
                         lambda x, *args, **kw: seen.append(tuple(x.shape)) or layer_step(x, *args, **kw), raising=False)
     outs = []
     with torch.inference_mode():
