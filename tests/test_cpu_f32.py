@@ -299,3 +299,35 @@ def test_silu_mul_equals_the_operators(module):
     expected = torch.nn.functional.silu(gate_up[:, :37]) * gate_up[:, 37:]
     assert torch.allclose(module.silu_mul(gate_up), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(module.silu_mul(gate_up[2:3]), module.silu_mul(gate_up)[2:3])
+
+
+@pytest.mark.parametrize("equal", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_float32_caches_masks_come_from_the_kernel_with_the_operators_values(module, monkeypatch, equal, padded):
+    """Where the kernel is loaded, a float32 cache's tree masks are built by its tree_mask (shared with the bf16
+    kernels), value for value the mask the operators build: rows of equal and unequal lengths, draft slots among
+    the cached ones, padded new tokens, one tree for all rows."""
+    from tlt.model.kv_cache import KVCache
+    from tlt.model.transformer import additive, attention_mask_for, cached_mask
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, D = 3, 4, 2
+    lengths = torch.full((B,), 12) if equal else torch.randint(D, 20, (B,), generator=gen)
+    tree = torch.rand(B, T, D + T, generator=gen) < 0.5
+    valid = torch.rand(B, T, generator=gen) < 0.7 if padded else None
+    cache = KVCache(1, B, 2, 16, dtype=torch.float32)
+    cache.reserve(30)
+    cache.lengths = lengths.clone()
+    assert cache.mask_kernels() is module
+    calls = []
+    tree_mask = module.tree_mask
+    monkeypatch.setattr(module, "tree_mask", lambda *args: calls.append(1) or tree_mask(*args), raising=False)
+    by_kernel = attention_mask_for(cache, T, tree, None if valid is None else valid.long(), torch.float32)
+    monkeypatch.setattr(cpu_f32, "_module", None)
+    assert cache.mask_kernels() is None
+    by_operators = attention_mask_for(cache, T, tree, None if valid is None else valid.long(), torch.float32)
+    assert calls == [1] and torch.equal(by_kernel, by_operators)
+    S = int(lengths.max()) + T
+    ones = torch.ones(B, T, dtype=torch.bool) if valid is None else valid
+    assert torch.equal(tree_mask(lengths, tree[:1], valid, S),
+                       additive(cached_mask(lengths, tree[:1].expand(B, -1, -1), ones, S), torch.float32))

@@ -130,6 +130,30 @@ def test_model_runs_the_fused_step_without_gradients_only(tiny_model):
     assert (fused_half.argmax(-1) == reference_half.argmax(-1)).float().mean() >= 0.9
 
 
+def test_a_verification_past_max_rows_keeps_the_float32_kernels_bits(tiny_model, monkeypatch):
+    """On tlt's float32 kernel (forced on the tiny weights) a cached forward of more than MAX_ROWS tokens (65 rows of
+    8, as a wide batch's verification) still runs the kernel's layer step: each row's logits equal, bit for bit,
+    those of the same row forwarded alone, so speculative decoding at any batch keeps plain decoding's bits."""
+    from tlt.model.fused import MAX_ROWS
+
+    if cpu_f32.kernels() is None:
+        pytest.skip("tlt's float32 CPU kernel does not run here")
+    monkeypatch.setattr(packed, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(packed, "F32_KERNEL", True)
+    model = tiny_model(seed=9)
+    gen = torch.Generator().manual_seed(1)
+    B, T = 65, 8
+    assert B * T > MAX_ROWS
+    prompt, new = torch.randint(3, 61, (B, 6), generator=gen), torch.randint(3, 61, (B, T), generator=gen)
+    outs = []
+    with torch.inference_mode():
+        for rows in (slice(0, B), slice(3, 4)):
+            cache = model.new_cache(rows.stop - rows.start)
+            model(prompt[rows], cache=cache)
+            outs.append(model(new[rows], cache=cache).logits)
+    assert torch.equal(outs[0][3], outs[1][0])
+
+
 def test_the_bf16_packing_probe_agrees_with_torchs_own_check():
     """ONEDNN_BF16 (a reorder and product tried at import) says what PyTorch says of this CPU's oneDNN bf16: an
     AVX-512 CPU packs bf16 weights, an AVX2-only one cannot (and its bf16 weights stay plain)."""

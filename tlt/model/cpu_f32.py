@@ -81,6 +81,13 @@ def kernels():
     return _module
 
 
+def loaded():
+    """The compiled module where something has already loaded it, else None: neither builds it nor warns (for a
+    caller whose fallback gives the same result and that should not build the kernel for it, a float32 cache's mask
+    on a model whose products do not take the kernel)."""
+    return _module
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float32 -> [ceil(N / 16), K, 16]: group g holds output columns 16 g ... 16 g + 15 (zero
     past N)."""

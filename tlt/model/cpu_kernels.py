@@ -83,10 +83,14 @@ def load_extension(source: Path, prefix: str, needs: set[str], lacking: str):
 
 def compiled(source: Path, prefix: str):
     """(the extension built from `source`, None), or (None, why it could not be built). Its name is `prefix` and
-    the source's hash, so a changed source is rebuilt."""
+    the hash of the source and the headers beside it (which it may include), so a changed source or header is
+    rebuilt."""
     from torch.utils import cpp_extension
 
-    name = f"{prefix}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    name = f"{prefix}_{digest.hexdigest()[:12]}"
     module = _built(cpp_extension, name)
     try:
         if module is None:

@@ -359,6 +359,16 @@ class KVCache:
 
         return cpu_kernels.loaded()
 
+    def mask_kernels(self):
+        """A compiled module whose `tree_mask` builds this cache's attention masks in one pass: tlt's bf16 kernels
+        for a bf16 cache, its float32 kernel for a float32 CPU cache where a model's products have loaded it
+        (tlt/model/cpu_f32.py), else None (the masks are then built by operators, the same values)."""
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            from tlt.model import cpu_f32
+
+            return cpu_f32.loaded()
+        return self.kernels()
+
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Keep (and reorder) the given rows. Where most rows stay and every row that moves comes from a
         higher index (finished rows leaving a large batch, the rows behind them moving down or the last

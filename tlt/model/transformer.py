@@ -125,10 +125,20 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"bits must be 4 or 16, got {bits!r}")
         self.weight_bits, self._fused = bits, Prepared()
 
+    def _kernel_step_at_any_size(self, x, cos, mask, cache) -> bool:
+        """Whether a cached float32 forward past the fused step's MAX_ROWS tokens runs this layer on tlt's float32
+        kernel's layer step all the same (its products all take the kernel): a verification of many rows then gets,
+        token for token, the bits plain decoding's one-token steps get on it, where the reference layer's products and
+        attention would round otherwise (as bf16 on tlt's kernels does at any size, `uses_fused_step`)."""
+        if cache is None or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() \
+                or torch.is_autocast_enabled("cpu"):
+            return False
+        return on_layer_step(self.fused_weights(), cache, mask, cos)
+
     def forward(self, x, cos, sin, mask, cache, layer, counts: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden]; with `counts` [B] the packed tokens [N, hidden] of `fused_layer_step` (the
         model packs only where `on_layer_step` holds)."""
-        if counts is not None or uses_fused_step(x):
+        if counts is not None or uses_fused_step(x) or self._kernel_step_at_any_size(x, cos, mask, cache):
             return fused_layer_step(self.fused_weights(), x, cos, sin, mask, cache, layer, counts)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -188,7 +198,7 @@ def attention_mask_for(cache: KVCache, T: int, tree_mask: torch.Tensor | None, a
     if tree_mask is None and attention_mask is None and (hi == 0 or (T == 1 and lo == hi)):
         return None
     tree = torch.ones(T, T, dtype=torch.bool, device=device).tril() if tree_mask is None else tree_mask.bool()
-    kernels = cache.kernels() if dtype == torch.float32 else None
+    kernels = cache.mask_kernels() if dtype == torch.float32 else None
     if kernels is not None:  # the same mask in one pass of tlt's CPU kernels (a drafter call's: 0.03 ms, by operators 0.23-0.34)
         valid = None if attention_mask is None else attention_mask.bool()
         return kernels.tree_mask(cache.lengths, tree if tree.dim() == 3 else tree[None], valid, hi + T)

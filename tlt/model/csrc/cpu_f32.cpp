@@ -35,6 +35,8 @@
 #include <cmath>
 #include <vector>
 
+#include "tree_mask.h"
+
 #define TARGET __attribute__((target("avx2,fma")))
 
 namespace {
@@ -819,4 +821,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("biases"), py::arg("scales"), py::arg("H"), py::arg("qk_norm"), py::arg("qk_eps"), py::arg("post_eps"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("S"),
         py::arg("mask"), py::arg("paired") = false, py::arg("counts") = py::none(), py::arg("packed_keys") = false);
+  m.def("tree_mask", &tree_mask, py::arg("lengths"), py::arg("tree"), py::arg("valid"), py::arg("S"));
 }
