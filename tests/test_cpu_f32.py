@@ -198,15 +198,16 @@ def _reference_attention(q, keys, values, S, mask):
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 
-@pytest.mark.parametrize("D", [12, 48, 64])
-def test_attention_sees_only_its_keys_and_equals_pytorchs(module, D):
+@pytest.mark.parametrize("D,lengths", [(12, (7, 4)), (48, (7, 4)), (64, (7, 4)), (48, (150, 69))])
+def test_attention_sees_only_its_keys_and_equals_pytorchs(module, D, lengths):
     """Queries of a 4-node tree after rows of 7 and 4 cached tokens (4 query heads over 2 kv heads) give PyTorch's
     attention within float32 rounding; each query's result is bit for bit what a query over only the keys it sees,
     in consecutive slots and without a mask, gets (a tree node's query equals plain decoding's at its place), whatever
     the hidden slots hold (NaN included); without a mask the new tokens are causal over the last T slots."""
     gen = torch.Generator().manual_seed(D)
-    B, T, H, Hkv, C = 2, 4, 4, 2, 16
-    lengths = torch.tensor([7, 4])
+    B, T, H, Hkv = 2, 4, 4, 2
+    lengths = torch.tensor(lengths)
+    C = int(lengths.max()) + T + 5
     S = int(lengths.max()) + T
     keys, values = torch.randn(B, Hkv, C, D, generator=gen), torch.randn(B, Hkv, C, D, generator=gen)
     q = torch.randn(B, T, H, D, generator=gen)

@@ -20,11 +20,12 @@ float32 rounding.
 
 Where a layer's four products all take it, the whole layer is one call (`layer_step`, tlt/model/fused.py): its rms
 norms, the q/k norm with RoPE and the cache write (`rope_write`), attention over the float32 cache (`attention`) and
-silu(gate) * up (`silu_mul`) run in the kernel beside the products, where the operators cost 0.38 ms a layer of the
-bench policy's one-token step (1.42 ms, 1.04 of it products; 0.17 ms in the kernel). Attention takes a kv head's
+silu(gate) * up (`silu_mul`) run in the kernel beside the products: on 2 cores of a Zen 3 EPYC a 174 M-parameter
+model's one-token step ran 1.34x faster than with those operators, a 9-token one 1.15x, and the bench policy decoded
+1.19x faster at batch 1 (docs/results/README.md, "On a CPU without bf16 products"). Attention takes a kv head's
 queries together; a query's scores are sums over the head's dimensions in a fixed order, and its softmax sum and
 weighted sum of values run in slot order over the keys it sees, a hidden key adding nothing, so a tree node's query
-gets plain decoding's bits. At one token it runs about twice as fast as PyTorch's attention, at nine about as fast.
+gets plain decoding's bits.
 
 On float32 weights each output element is one float32 sum over the inputs in order, whatever the number of
 rows, so a row's result does not depend on how many rows are multiplied (oneDNN's float32 kernels round

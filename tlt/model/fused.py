@@ -21,8 +21,9 @@ bytes of weight it streams. Without gradients the layer runs on weights prepared
     (`layer_step`): the ten Python-level calls it replaces cost 60-90 us a layer, 0.7-1 ms of a
     12-layer one-token step of ~9 ms. The same holds for a float32 model whose four products all take tlt's
     AVX2 kernel (a float32 cache in the usual layout): its `layer_step` runs the rms norms, the q/k norm with
-    RoPE and the cache write, attention over the cache and silu * up beside the products (on the bench policy, 2
-    cores of a Zen 3 EPYC, a one-token layer 1.21 ms against 1.42 by the operators below, 1.04 of it products).
+    RoPE and the cache write, attention over the cache and silu * up beside the products (2 cores of a Zen 3
+    EPYC, `tlt bench roofline --model random-large --dtype float32`: a one-token step 1.34x faster than with the
+    operators below, a 9-token one 1.15x; docs/results/README.md).
 
 On the default model (inside L3) a one-token step takes about half the time of the reference layer's.
 Fusing cuts calls, not arithmetic: at 9-17 rows the products are bound by their arithmetic, so a

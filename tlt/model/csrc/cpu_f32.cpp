@@ -409,6 +409,19 @@ TARGET inline __m256i lanes(int64_t n) {
                             _mm256_load_si256(reinterpret_cast<const __m256i*>(ramp)));
 }
 
+// The first n <= 8 floats at p (the rest of the vector zero), and their store: masked moves only for a partial
+// vector (a masked store is microcoded on AMD's Zen cores, many times a plain one).
+TARGET inline __m256 load8(const float* p, int64_t n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes(n));
+}
+TARGET inline void store8(float* p, __m256 v, int64_t n) {
+  if (n >= 8) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    _mm256_maskstore_ps(p, lanes(n), v);
+  }
+}
+
 // [sum of a0's lanes, ..., sum of a7's lanes], each as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): every
 // output lane sums its vector in the same order, so a key's score does not depend on where in a block of 8 it falls.
 TARGET inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
@@ -448,21 +461,20 @@ TARGET void score_block(const float* q, const float* k, int64_t ks, int64_t D, i
     s = sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
   }
 #undef key
-  const __m256i m = lanes(n);
   if (mask) {
-    const __m256 add = _mm256_maskload_ps(mask, m);
+    const __m256 add = load8(mask, n);
     const __m256 hidden = _mm256_cmp_ps(add, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
     s = _mm256_blendv_ps(_mm256_add_ps(s, add), add, hidden);
   }
-  _mm256_maskstore_ps(scores, m, s);
+  store8(scores, s, n);
 }
 
 // out[r] = sum over slots j < limit of p[r][j] v_j for the QB (1 or 2) queries from r, over the head's NC chunks of 8
 // dimensions from chunk c0 (the last one partial where TAIL and D % 8): in slot order, a weight of 0 (a hidden key)
-// skipped, as if absent. total[r] (with c0 = 0) = sum_j p[r][j] in the same order. The sums stay in registers.
+// skipped, as if absent. The sums stay in registers (two queries' 12 of them with the weights and a value chunk).
 template <int QB, int NC, bool TAIL>
 TARGET void value_pass(float* const* p, int64_t limit, const float* v, int64_t vs, int64_t D, int64_t c0,
-                       float* const* out, float* total) {
+                       float* const* out) {
   __m256 acc[QB][NC];
   for (int r = 0; r < QB; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -470,33 +482,34 @@ TARGET void value_pass(float* const* p, int64_t limit, const float* v, int64_t v
   const __m256i tail = lanes(D % 8);
   const float* p0 = p[0];
   const float* p1 = p[QB - 1];
-  float sums[QB] = {};
   for (int64_t j = 0; j < limit; ++j) {
     const float* value = v + j * vs + c0 * 8;
-    const float w[2] = {p0[j], p1[j]};
-    if (QB == 2 && w[0] != 0.0f && w[1] != 0.0f) {  // both see the key (the usual case): each value chunk read once
-      sums[0] += w[0];
-      sums[QB - 1] += w[1];
-      const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
+    const float w0 = p0[j], w1 = p1[j];
+    if (QB == 2 && w0 != 0.0f && w1 != 0.0f) {  // both see the key (the usual case): each value chunk read once
+      const __m256 v0 = _mm256_set1_ps(w0), v1 = _mm256_set1_ps(w1);
       for (int c = 0; c < NC; ++c) {
         const __m256 x = (part && c == NC - 1) ? _mm256_maskload_ps(value + c * 8, tail) : _mm256_loadu_ps(value + c * 8);
-        acc[0][c] = _mm256_fmadd_ps(w0, x, acc[0][c]);
-        acc[QB - 1][c] = _mm256_fmadd_ps(w1, x, acc[QB - 1][c]);
+        acc[0][c] = _mm256_fmadd_ps(v0, x, acc[0][c]);
+        acc[QB - 1][c] = _mm256_fmadd_ps(v1, x, acc[QB - 1][c]);
       }
       continue;
     }
-    for (int r = 0; r < QB; ++r) {
-      if (w[r] == 0.0f) continue;
-      sums[r] += w[r];
-      const __m256 wv = _mm256_set1_ps(w[r]);
+    if (w0 != 0.0f) {
+      const __m256 v0 = _mm256_set1_ps(w0);
       for (int c = 0; c < NC; ++c) {
         const __m256 x = (part && c == NC - 1) ? _mm256_maskload_ps(value + c * 8, tail) : _mm256_loadu_ps(value + c * 8);
-        acc[r][c] = _mm256_fmadd_ps(wv, x, acc[r][c]);
+        acc[0][c] = _mm256_fmadd_ps(v0, x, acc[0][c]);
+      }
+    }
+    if (QB == 2 && w1 != 0.0f) {
+      const __m256 v1 = _mm256_set1_ps(w1);
+      for (int c = 0; c < NC; ++c) {
+        const __m256 x = (part && c == NC - 1) ? _mm256_maskload_ps(value + c * 8, tail) : _mm256_loadu_ps(value + c * 8);
+        acc[QB - 1][c] = _mm256_fmadd_ps(v1, x, acc[QB - 1][c]);
       }
     }
   }
   for (int r = 0; r < QB; ++r) {
-    if (c0 == 0) total[r] = sums[r];
     for (int c = 0; c < NC; ++c) {
       float* o = out[r] + (c0 + c) * 8;
       if (part && c == NC - 1) {
@@ -509,17 +522,16 @@ TARGET void value_pass(float* const* p, int64_t limit, const float* v, int64_t v
 }
 
 template <int QB, bool TAIL>
-TARGET void value_passes(float* const* p, int64_t limit, const float* v, int64_t vs, int64_t D, float* const* out,
-                         float* total) {
+TARGET void value_passes(float* const* p, int64_t limit, const float* v, int64_t vs, int64_t D, float* const* out) {
   const int64_t chunks = (D + 7) / 8;
   for (int64_t c0 = 0; c0 < chunks; c0 += 6) {
     switch (std::min<int64_t>(6, chunks - c0)) {
-      case 1: value_pass<QB, 1, TAIL>(p, limit, v, vs, D, c0, out, total); break;
-      case 2: value_pass<QB, 2, TAIL>(p, limit, v, vs, D, c0, out, total); break;
-      case 3: value_pass<QB, 3, TAIL>(p, limit, v, vs, D, c0, out, total); break;
-      case 4: value_pass<QB, 4, TAIL>(p, limit, v, vs, D, c0, out, total); break;
-      case 5: value_pass<QB, 5, TAIL>(p, limit, v, vs, D, c0, out, total); break;
-      default: value_pass<QB, 6, TAIL>(p, limit, v, vs, D, c0, out, total); break;
+      case 1: value_pass<QB, 1, TAIL>(p, limit, v, vs, D, c0, out); break;
+      case 2: value_pass<QB, 2, TAIL>(p, limit, v, vs, D, c0, out); break;
+      case 3: value_pass<QB, 3, TAIL>(p, limit, v, vs, D, c0, out); break;
+      case 4: value_pass<QB, 4, TAIL>(p, limit, v, vs, D, c0, out); break;
+      case 5: value_pass<QB, 5, TAIL>(p, limit, v, vs, D, c0, out); break;
+      default: value_pass<QB, 6, TAIL>(p, limit, v, vs, D, c0, out); break;
     }
   }
 }
@@ -545,8 +557,9 @@ TARGET void attend_rows(const float* q, int64_t Dq, int64_t R, const float* k, i
                         masks[r] ? masks[r] + j : nullptr, pr + j);
     __m256 top = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < limit[r]; j += 8) {
-      const __m256i m = lanes(std::min<int64_t>(8, limit[r] - j));
-      top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_maskload_ps(pr + j, m), _mm256_castsi256_ps(m)));
+      const int64_t n = std::min<int64_t>(8, limit[r] - j);
+      top = _mm256_max_ps(top, n == 8 ? _mm256_loadu_ps(pr + j)
+                                      : _mm256_blendv_ps(top, load8(pr + j, n), _mm256_castsi256_ps(lanes(n))));
     }
     alignas(32) float tops[8];
     _mm256_store_ps(tops, top);
@@ -558,15 +571,26 @@ TARGET void attend_rows(const float* q, int64_t Dq, int64_t R, const float* k, i
     }
     const __m256 shift = _mm256_set1_ps(most);
     for (int64_t j = 0; j < limit[r]; j += 8) {
-      const __m256i m = lanes(std::min<int64_t>(8, limit[r] - j));
-      _mm256_maskstore_ps(pr + j, m, exp8(_mm256_sub_ps(_mm256_maskload_ps(pr + j, m), shift)));
+      const int64_t n = std::min<int64_t>(8, limit[r] - j);
+      store8(pr + j, exp8(_mm256_sub_ps(load8(pr + j, n), shift)), n);
     }
+  }
+  // Each query's sum of weights, in slot order (a hidden key's 0 changes nothing), four queries' chains side by side.
+  for (int64_t r = 0; r < R; r += 4) {
+    const float* pr[4];
+    for (int i = 0; i < 4; ++i) pr[i] = rows[std::min<int64_t>(r + i, R - 1)];
+    int64_t upto = 0;
+    for (int64_t i = r; i < std::min<int64_t>(r + 4, R); ++i) upto = std::max(upto, limit[i]);
+    float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+    for (int64_t j = 0; j < upto; ++j) t0 += pr[0][j], t1 += pr[1][j], t2 += pr[2][j], t3 += pr[3][j];
+    const float t[4] = {t0, t1, t2, t3};
+    for (int64_t i = r; i < std::min<int64_t>(r + 4, R); ++i) total[i] = t[i - r];
   }
   for (int64_t r = 0; r < R; r += 2) {
     if (r + 1 < R) {
-      value_passes<2, TAIL>(rows.data() + r, std::max(limit[r], limit[r + 1]), v, vs, D, out + r, total + r);
+      value_passes<2, TAIL>(rows.data() + r, std::max(limit[r], limit[r + 1]), v, vs, D, out + r);
     } else {
-      value_passes<1, TAIL>(rows.data() + r, limit[r], v, vs, D, out + r, total + r);
+      value_passes<1, TAIL>(rows.data() + r, limit[r], v, vs, D, out + r);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -579,10 +603,10 @@ TARGET void attend_rows(const float* q, int64_t Dq, int64_t R, const float* k, i
 TARGET void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) {
-    const __m256i m = lanes(std::min<int64_t>(8, n - i));
-    const __m256 x = _mm256_maskload_ps(g + i, m);
+    const int64_t w = std::min<int64_t>(8, n - i);
+    const __m256 x = load8(g + i, w);
     const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
-    _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(s, _mm256_maskload_ps(u + i, m)));
+    store8(out + i, _mm256_mul_ps(s, load8(u + i, w)), w);
   }
 }
 
