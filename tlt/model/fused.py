@@ -111,7 +111,6 @@ class FusedWeights:
         self.sizes = [p.out_features for p in products]
         self.biases = [p.bias for p in products]
         self.scales = [p.scales for p in products]
-        self.on_kernels = all(p.kernels is not None for p in products)
         # the module whose layer_step runs the whole layer: the kernel all four products take, if they take one
         self.step_kernel = self.qkv.kernel if all(p.kernel is self.qkv.kernel for p in products) else None
 
@@ -169,7 +168,7 @@ def on_layer_step(fused: FusedWeights, cache, mask: torch.Tensor | None, cos: to
     kernel = fused.step_kernel
     if kernel is None or cache is None or (mask is not None and mask.dtype != torch.float32):
         return False
-    if fused.on_kernels:
+    if kernel is fused.qkv.kernels:  # tlt's bf16 kernels
         return (cache.dtype in (torch.float32, torch.bfloat16) and fused.head_dim <= cpu_kernels.MAX_HEAD_DIM
                 and cos.dtype == torch.bfloat16)
     return (cache.dtype == torch.float32 and not (cache.paired or cache.packed_keys) and cos.dtype == torch.float32

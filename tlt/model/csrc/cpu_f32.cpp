@@ -35,7 +35,7 @@
 #include <cmath>
 #include <vector>
 
-#include "tree_mask.h"
+#include "shared.h"
 
 #define TARGET __attribute__((target("avx2,fma")))
 
@@ -801,20 +801,7 @@ torch::Tensor layer_step(torch::Tensor x, double input_eps, std::vector<torch::T
   TORCH_CHECK(S <= keys.size(2), "layer_step: S past the cache buffers");
   TORCH_CHECK(sizes[0] % D == 0, "layer_step: the q|k|v product's ", sizes[0], " columns are not heads of ", D);
   torch::Tensor rows;  // packed: each token's index in [B * T]
-  if (packed) {
-    TORCH_CHECK(counts->scalar_type() == torch::kLong && counts->dim() == 1 && counts->size(0) == B,
-                "layer_step: counts must be [B] int64");
-    auto cnt = counts->contiguous();
-    rows = torch::empty({x.size(0)}, cnt.options());
-    int64_t* rp = rows.data_ptr<int64_t>();
-    const int64_t* np = cnt.data_ptr<int64_t>();
-    int64_t n = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(np[b] >= 0 && np[b] <= T && n + np[b] <= x.size(0), "layer_step: counts disagree with x and T");
-      for (int64_t t = 0; t < np[b]; ++t) rp[n++] = b * T + t;
-    }
-    TORCH_CHECK(n == x.size(0), "layer_step: x has ", x.size(0), " rows, counts sum to ", n);
-  }
+  if (packed) rows = packed_rows(*counts, B, T, x.size(0));
   auto x2 = x.view({-1, hidden});
   auto normed = input_eps < 0 ? x2 : rms_norm(x2.unsqueeze(0), c10::nullopt, input_eps).squeeze(0);
   auto qkv = linear(normed, weights[0], sizes[0], biases[0], c10::nullopt, scales[0]);

@@ -1,6 +1,6 @@
-// tree_mask, shared by tlt's CPU kernels (cpu_bf16.cpp, cpu_f32.cpp): plain C++, no vector instructions. The
-// extension loader (tlt/model/cpu_kernels.py) hashes the headers of this folder with each source, so a change here
-// rebuilds both.
+// What tlt's CPU kernels (cpu_bf16.cpp, cpu_f32.cpp) share: plain C++, no vector instructions. The extension
+// loader (tlt/model/cpu_kernels.py) hashes the headers of this folder with each source, so a change here rebuilds
+// both.
 #pragma once
 
 #include <torch/extension.h>
@@ -46,4 +46,22 @@ inline torch::Tensor tree_mask(torch::Tensor lengths, torch::Tensor tree, c10::o
     }
   });
   return out;
+}
+
+// A layer step's packed tokens (counts [B] int64: row b's first counts[b] of T tokens, N in all, rows in order) ->
+// each token's index in [B * T], checked against N.
+inline torch::Tensor packed_rows(const torch::Tensor& counts, int64_t B, int64_t T, int64_t N) {
+  TORCH_CHECK(counts.scalar_type() == torch::kLong && counts.dim() == 1 && counts.size(0) == B,
+              "layer_step: counts must be [B] int64");
+  auto cnt = counts.contiguous();
+  auto rows = torch::empty({N}, cnt.options());
+  int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* np = cnt.data_ptr<int64_t>();
+  int64_t n = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(np[b] >= 0 && np[b] <= T && n + np[b] <= N, "layer_step: counts disagree with x and T");
+    for (int64_t t = 0; t < np[b]; ++t) rp[n++] = b * T + t;
+  }
+  TORCH_CHECK(n == N, "layer_step: x has ", N, " rows, counts sum to ", n);
+  return rows;
 }
