@@ -286,7 +286,7 @@ def test_rope_write_matches_the_reference_ops(norm, D, pair, pack):
         keys = natural_keys(keys)
     qk = qkv[:, :, : H + Hkv]
     if norm:
-        fused = type("Fused", (), {"qkv": type("P", (), {"kernels": None})(), "qk_eps": 1e-6,
+        fused = type("Fused", (), {"qkv": type("P", (), {"kernel": None})(), "qk_eps": 1e-6,
                                    "qk_norm": weight.bfloat16()})()
         qk = _qk_normed(fused, qk)
     qk = apply_rope(qk, cos, sin).transpose(1, 2)
