@@ -124,6 +124,44 @@ def test_draft_state_take_keeps_each_rows_newest_pairs():
     assert everything[4].tolist() == [3, 7] and everything[2][1].tolist() == list(range(20, 27))
 
 
+def test_bounded_pending_pairs_take_what_unbounded_ones_take():
+    """Runs of plain steps (a pair per row), verifications (several) and row removals, with the buffer bounded
+    to the catch-up window after every add and without: each `take(window)` returns the same pairs at the same
+    positions, and the bounded buffer stays within twice the window plus one add."""
+    from tlt.speculative.decoder import DraftState
+
+    gen = torch.Generator().manual_seed(3)
+    window, B, H = 4, 5, 3
+    def fresh():
+        return DraftState(None, torch.zeros(B, 0, H), torch.zeros(B, 0, dtype=torch.long),
+                          torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
+    bounded, full, position, widest = fresh(), fresh(), torch.arange(B) * 100, 0
+    for step in range(60):
+        rows = len(position)
+        K = 1 if step % 7 else 3  # mostly plain steps
+        k = torch.randint(1, K + 1, (rows,), generator=gen)
+        feats, toks = torch.randn(rows, K, H, generator=gen), torch.randint(0, 50, (rows, K), generator=gen)
+        for state in (bounded, full):
+            state.add(feats, toks, k, position)
+        bounded.bound(window)
+        widest = max(widest, full.tokens.shape[1])
+        position = position + k
+        assert bounded.tokens.shape[1] <= 4 * window + K
+        if step % 11 == 10 and rows > 2:  # a row finishes
+            keep = torch.tensor([r for r in range(rows) if r != step % rows])
+            position = position[keep]
+            for state in (bounded, full):
+                state.cache = type("Rows", (), {"select_rows": lambda self, rows: None})()
+                state.select(keep)
+        if step % 13 == 12:  # a drafting step consumes the pending pairs
+            got, want = bounded.take(window), full.take(window)
+            assert torch.equal(got[4], want[4])
+            for b, n in enumerate(want[4].tolist()):
+                for a, c in zip(got[:3], want[:3]):
+                    assert torch.equal(a[b, :n], c[b, :n])
+    assert widest > 4 * window + 3  # unbounded, plain steps widen the buffer
+
+
 def windowed_run(n: int, temperature: float, max_tokens: int):
     """The random target and drafter of the window tests, their two prompts and sampling parameters, and
     plain decoding's outputs for them."""
@@ -141,14 +179,19 @@ def test_a_catch_up_window_of_one_stays_lossless(temperature, monkeypatch):
     verification, whose draws are plain sampling's)."""
     from tlt.speculative.decoder import DraftState
 
-    windowed = []  # per catch-up: whether some row had more pairs pending than the window
-    take = DraftState.take
+    windowed = []  # per catch-up or bound: whether some row had more pairs pending than the window
+    take, bound = DraftState.take, DraftState.bound
 
     def spy(self, window=None):
         windowed.append(window is not None and int(self.count.max()) > window)
         return take(self, window)
 
+    def bound_spy(self, window):
+        windowed.append(int(self.count.max()) > window)
+        bound(self, window)
+
     monkeypatch.setattr(DraftState, "take", spy)
+    monkeypatch.setattr(DraftState, "bound", bound_spy)
     target, drafter, prompts, params, plain = windowed_run(3, temperature, 60)
     arms = ("off", "tree-d4-k3-v10", "ngram-d3") + (("chain-d3",) if temperature == 0 else ())
     engine = tlt.RolloutEngine(target, config=tlt.EngineConfig(

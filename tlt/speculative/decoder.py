@@ -122,6 +122,19 @@ class DraftState:
         self.tokens = torch.cat([_widen(s.tokens, width) for s in states])
         self.count, self.start = torch.cat([s.count for s in states]), torch.cat([s.start for s in states])
 
+    def bound(self, window: int) -> None:
+        """Keep each row's newest `window` pending pairs (at most) once the buffer is wider than twice that:
+        `take(window)` reads no more than those, so what it returns does not change. Without it a run of plain
+        steps grows the buffer by a pair per row a step, and every row removal (`select`) copies all of it."""
+        if self.tokens.shape[1] <= 2 * window:  # a host int: no tensor op on most steps
+            return
+        kept = self.count.clamp(max=window)
+        skip = self.count - kept  # [B] the oldest pairs of each row, dropped
+        index = (skip[:, None] + torch.arange(window, device=skip.device)).clamp(max=self.tokens.shape[1] - 1)
+        rows = torch.arange(len(index), device=index.device)[:, None]  # whole feature rows, as in `add`
+        self.features, self.tokens = self.features[rows, index], self.tokens[rows, index]
+        self.start, self.count = self.start + skip, kept
+
     def trim(self, window: int) -> None:
         """Rows whose drafter cache holds more than 2 x `window` pairs keep their newest `window` (their
         keys carry their positions, so nothing else changes); the others are left as they are. Trimming at
@@ -391,6 +404,8 @@ class SpeculativeDecoder:
         if nodes is not None:
             feats = feats[torch.arange(len(nodes), device=nodes.device)[:, None], nodes]  # [B, K, H]
         batch.state.add(feats, tokens, counts, base)
+        if self.catch_up_window is not None:
+            batch.state.bound(self.catch_up_window)
 
 
 def credit_sources(names: list[list[str]], visited: list[list[int]], emitted: list[list[int]]) -> dict:
