@@ -19,7 +19,8 @@ first drafting step cost as much as many plain steps, and the adaptive tuner wou
 arms by that one step. `catch_up_window` bounds it: the drafter consumes the newest pairs of each row
 only and the older ones stay out of its cache, a gap in what its attention sees (positions stay exact;
 the target features it reads carry the whole context), which costs hardly any acceptance at the default
-window of 16. `drafter_window` bounds what the drafter's attention reads likewise: once a row's drafter
+window of 16. The older pairs are dropped as plain steps go (`DraftState.bound`), so pending holds at most
+about twice the window a row. `drafter_window` bounds what the drafter's attention reads likewise: once a row's drafter
 cache holds twice the window, it keeps the newest `drafter_window` pairs (`DraftState.trim`, positions
 unchanged). At large batch and long contexts the drafter's single layer reads as much cache per call as a
 target layer does, several calls a step. tlt trains drafters within a window of each record (512 pairs
