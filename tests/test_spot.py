@@ -733,3 +733,36 @@ def test_a_bf16_drafter_is_scored_as_its_float32_twin(target, records):
     assert report.steps == 3 and 0 < report.heldout_start < 1 and report.heldout_kept >= report.heldout_start
     assert all(v.dtype == torch.float32 for v in state["drafter"].values())
     assert all(v.dtype == torch.bfloat16 for v in drafter.state_dict().values())
+
+
+def test_a_bf16_autocast_phase_learns_with_float32_weights_and_scores_under_autocast(target, records):
+    """drafter.dtype=bfloat16: the training forwards and the held-out scoring run under bf16 autocast (the
+    drafter's products come out bf16), the weights and the published state stay float32, and the drafter
+    learns about as the float32 phase does; a dtype other than the two is refused, naming the field."""
+    from tlt.speculative.train import acceptance_top1
+    from tlt.spot.trainer import run_phase
+
+    seen = []  # per fc call: the dtype of its output
+    def trained(dtype, steps, holdout):
+        drafter = Drafter.from_target(target, seed=0)
+        hook = drafter.fc.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+        state, report = run_phase(drafter, None, records, [1.0] * len(records),
+                                  small(max_steps=steps, holdout=holdout, dtype=dtype), seed=0)
+        hook.remove()
+        assert report.steps == steps and all(v.dtype == torch.float32 for v in state["drafter"].values())
+        return drafter, report
+
+    _, report = trained("bfloat16", 2, 0.25)  # scored before the first step and after each
+    assert report.heldout_start is not None and set(seen) == {torch.bfloat16}
+    seen.clear()
+    before = acceptance_top1(Drafter.from_target(target, seed=0), records)
+    drafter32, _ = trained("float32", 60, 0.0)
+    assert set(seen) == {torch.float32}
+    seen.clear()
+    drafter16, _ = trained("bfloat16", 60, 0.0)
+    assert set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in drafter16.parameters())
+    after32, after16 = acceptance_top1(drafter32, records), acceptance_top1(drafter16, records)
+    assert after16 > before + 0.2 and abs(after16 - after32) < 0.1, (before, after32, after16)
+    with pytest.raises(ConfigError, match="dtype"):
+        small(dtype="float16")

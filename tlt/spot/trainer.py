@@ -127,7 +127,8 @@ class SpotTrainer:
                     group["lr"] = self.learning_rate()
                 self.optimizer.zero_grad(set_to_none=True)
                 try:
-                    loss, m = unrolled_loss(self.drafter, batch, loss_config, interrupt)
+                    with self.autocast():
+                        loss, m = unrolled_loss(self.drafter, batch, loss_config, interrupt)
                     loss.backward()
                 except Preempted:
                     self.optimizer.zero_grad(set_to_none=True)
@@ -175,10 +176,16 @@ class SpotTrainer:
         if between_rounds is not None:
             between_rounds()  # unrolled_loss checks before each later round; scoring's forwards run no module hooks
         self.drafter.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             _, m = unrolled_loss(self.drafter, batch, self.config.loss_config(), between_rounds)
         rounds = [m["accept"]] + [m[f"accept@{r}"] for r in range(2, self.config.unroll + 1)]
         return sum(rounds) / len(rounds)
+
+    def autocast(self):
+        """The context of a step's forward and of scoring: bf16 autocast with `dtype` bfloat16, else none (the
+        backward follows the forward's dtypes; the weights, Adam's moments and the loss stay float32)."""
+        return torch.autocast(self.drafter.target.device.type, dtype=torch.bfloat16,
+                              enabled=self.config.dtype == "bfloat16")
 
     def learning_rate(self) -> float:
         """`lr`, ramped up linearly over the trainer's first `warmup_steps` optimizer steps (over all
