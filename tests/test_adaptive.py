@@ -127,7 +127,8 @@ def test_draft_state_take_keeps_each_rows_newest_pairs():
 def test_bounded_pending_pairs_take_what_unbounded_ones_take():
     """Runs of plain steps (a pair per row), verifications (several) and row removals, with the buffer bounded
     to the catch-up window after every add and without: each `take(window)` returns the same pairs at the same
-    positions, and the bounded buffer stays within twice the window plus one add."""
+    positions, and the bounded buffer's width stays within four windows plus one add (it grows by doubling and is
+    cut back to one window once past two)."""
     from tlt.speculative.decoder import DraftState
 
     gen = torch.Generator().manual_seed(3)

@@ -34,9 +34,9 @@ class SpotConfig:
     feature_weight: float = setting(1.0, "weight of the feature-regression loss")
     token_weight: float = setting(0.1, "weight of the next-token loss")
     grad_clip: float = setting(1.0, "gradient-norm clip")
-    dtype: str = setting("float32", "float32, or bfloat16: a training step's forward under bf16 autocast (weights, "
-                         "optimizer and loss stay float32; on a Xeon with AMX a bench-drafter step is 2.7x faster, so a "
-                         "phase takes more steps; CPUs without bf16 matrix units are slower so)")
+    dtype: str = setting("float32", "float32, or bfloat16: a training step's forward and the held-out scoring under "
+                         "bf16 autocast, weights, optimizer and loss in float32 (a bench-drafter step 2.7x faster on a "
+                         "Xeon with AMX; slower where the CPU has no bf16 matrix units)")
     max_steps: int = setting(0, "optimizer steps per phase at most (0: until rollout ends)")
     holdout: float = setting(0.125, "fraction of the buffer's responses a phase keeps out of training at most (as "
                              "many as fill half a training batch) to score its drafter on, before its first step "
