@@ -133,8 +133,9 @@ def test_bounded_pending_pairs_take_what_unbounded_ones_take():
 
     gen = torch.Generator().manual_seed(3)
     window, B, H = 4, 5, 3
+    no_cache = type("NoCache", (), {"select_rows": lambda self, rows: None})()  # only the pending pairs are tested
     def fresh():
-        return DraftState(None, torch.zeros(B, 0, H), torch.zeros(B, 0, dtype=torch.long),
+        return DraftState(no_cache, torch.zeros(B, 0, H), torch.zeros(B, 0, dtype=torch.long),
                           torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
     bounded, full, position, widest = fresh(), fresh(), torch.arange(B) * 100, 0
     for step in range(60):
@@ -152,7 +153,6 @@ def test_bounded_pending_pairs_take_what_unbounded_ones_take():
             keep = torch.tensor([r for r in range(rows) if r != step % rows])
             position = position[keep]
             for state in (bounded, full):
-                state.cache = type("Rows", (), {"select_rows": lambda self, rows: None})()
                 state.select(keep)
         if step % 13 == 12:  # a drafting step consumes the pending pairs
             got, want = bounded.take(window), full.take(window)
