@@ -200,7 +200,6 @@ constexpr int64_t AMX_CHUNK = 128;  // rows per task on tiles: a k-slice of the 
 constexpr int64_t AMX_SLICE = 8;    // k-steps of 32 per slice: 16 KB of the group's B tiles, kept in L1 across blocks
 constexpr int AMX_PF = 4;           // lines of the next slice's B prefetched to L1 per k-step of each block's pass
 constexpr int64_t AMX_RUN = 8;      // groups a task takes chunk by chunk (linear): their weights beside a chunk in L2
-constexpr int64_t AMX_X_BYTES = 1 << 20;  // rows x K bf16 up to which x stays in L2 (2 MB a core) beside one group
 
 // The configured rows (<= 16) x one group over `steps` k-steps of 32 from where x and w point (tiles as
 // amx_configure sets them); C starts at zero (first) or from c, and goes back to c (row stride GROUP floats):
@@ -1175,8 +1174,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     // A task is a run of consecutive groups, taken chunk by chunk: for each chunk of rows, every group of the run,
     // so the chunk's rows (128 x K bf16) and the run's weights both stay in the thread's L2. One group per task
     // re-reads all of x from L3 for every group once x outgrows L2 (1,664 rows x 768: 2.5 MB, 160 groups: products
-    // 1.2-1.75x slower); where x fits (AMX_X_BYTES), single groups balance the threads better.
-    int64_t run = M * K * 2 <= AMX_X_BYTES ? 1 : std::clamp<int64_t>(units / (4 * at::get_num_threads()), 1, AMX_RUN);
+    // 1.2-1.75x slower). Where x fits L2 too, a run streams the thread's weights from consecutive addresses where single
+    // groups jump from one thread's group to the other's: the bench policy's four products through twelve layers at
+    // 24-256 rows 0.86-0.97x the time of single groups (2 threads, `kernel_ab.py`, same bits). One row block (M <= 16)
+    // takes single groups: its products stream at the read bandwidth either way.
+    int64_t run = M <= 16 ? 1 : std::clamp<int64_t>(units / (4 * at::get_num_threads()), 1, AMX_RUN);
     parallel_tasks((units + run - 1) / run, [&](const auto& take) {
       alignas(64) float acc[AMX_CHUNK * GROUP];
       alignas(64) float acc_up[AMX_CHUNK * GROUP];  // silu: the up group's sums
