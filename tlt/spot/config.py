@@ -35,8 +35,8 @@ class SpotConfig:
     token_weight: float = setting(0.1, "weight of the next-token loss")
     grad_clip: float = setting(1.0, "gradient-norm clip")
     dtype: str = setting("float32", "float32, or bfloat16: a training step's forward and the held-out scoring under "
-                         "bf16 autocast, weights, optimizer and loss in float32 (a bench-drafter step 2.7x faster on a "
-                         "Xeon with AMX; slower where the CPU has no bf16 matrix units)")
+                         "bf16 autocast, weights, optimizer and loss in float32 (a bench-drafter step 2.5-2.7x faster on "
+                         "a Xeon with AMX; with oneDNN held to AVX-512 BF16 1.5x slower, to AVX2 27x)")
     max_steps: int = setting(0, "optimizer steps per phase at most (0: until rollout ends)")
     holdout: float = setting(0.125, "fraction of the buffer's responses a phase keeps out of training at most (as "
                              "many as fill half a training batch) to score its drafter on, before its first step "
