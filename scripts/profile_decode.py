@@ -35,6 +35,7 @@ def workload(args: argparse.Namespace) -> None:
     from tlt.model.checkpoint import resolve_model_path
     from tlt.rollout import RolloutEngine, SamplingParams
     from tlt.speculative import Drafter
+    from tlt.speculative.strategy import Strategy
     from tlt.tasks import get_task
     from tlt.tokenizer import load_tokenizer
 
@@ -42,7 +43,8 @@ def workload(args: argparse.Namespace) -> None:
     fill_workload_defaults(args)
     folder = resolve_model_path(args.model)
     model, tokenizer = load_model(folder, dtype=args.dtype), load_tokenizer(folder)
-    drafter = None if args.strategy == "off" else Drafter.load(args.drafter, model)
+    model_free = args.strategy != "adaptive" and not Strategy.parse(args.strategy).uses_drafter  # off, ngram, suffix
+    drafter = None if model_free else Drafter.load(args.drafter, model)
     engine = RolloutEngine(model, config=engine_config(args.strategy, drafter, progress=False,
                                                         drafter_bits=args.drafter_bits))
     ids = [tokenizer.encode(p.prompt) for p in get_task(args.task).sample(args.prompts, seed=0, split="eval")]
