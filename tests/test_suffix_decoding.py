@@ -16,7 +16,7 @@ from test_speculative import (VOCAB, chi_square_pvalue, engine, exact_three_toke
                               tokens_of)
 
 STRATEGIES = ["suffix-d8-v16", "hybrid-d3-k2-v8", "suffix-d8-v16-p30", "hybrid-d3-k2-v8-p20", "suffix-d8-v16-p30-c1",
-              "suffix-d8-v16-p30-c0"]
+              "suffix-d8-v16-p30-c0", "suffix-d8-v16-pa-c1"]
 
 
 def least_likely_continuations(target, prompt, length, count):
@@ -97,6 +97,27 @@ def test_each_step_counts_the_draft_tokens_it_verified():
         assert all(fits(d, b) for d, b in zip(stats.step_drafted, stats.batch_sizes)), strategy
 
 
+def test_an_auto_floor_drafts_what_the_measured_cost_allows():
+    """A "-pa" suffix draft is cut where the decoder's StepCosts say: a high floor keeps fewer nodes than a low
+    one, on the same samples (plain decoding's)."""
+    target = random_target(seed=3)
+    prompts = [[3, 4, 5, 3, 4], [7, 8, 7, 8]]
+    params = tlt.SamplingParams(n=3, temperature=1.0, max_tokens=30, seed=2, ignore_eos=True)
+    plain = tlt.RolloutEngine(target).generate(prompts, params)
+    drafted = {}
+    for floor in (0.01, 0.95):
+        spec = engine(target, "suffix-d8-v16-pa")
+        asked = []
+        spec.decoder.costs.floor = lambda rows, floor=floor: asked.append(rows) or floor
+        assert tokens_of(spec.generate(prompts, params, history=histories(target, prompts, params, "plain"))) == \
+            tokens_of(plain)
+        drafted[floor] = sum(spec.rollout_stats.step_drafted)
+        assert asked and set(asked) <= set(spec.rollout_stats.batch_sizes)
+    assert drafted[0.95] < drafted[0.01]
+    stats = spec.stats()["step_costs"]  # every step's cost was recorded, per bucket
+    assert stats and sum(b["steps"] for b in stats.values()) > 0
+
+
 def test_history_of_the_same_samples_is_accepted_whole():
     """A history holding the very responses about to be sampled drafts them: long acceptance."""
     target = random_target(seed=2)
@@ -138,16 +159,17 @@ def test_sampling_with_an_adversarial_history_is_exact():
 
 def test_strategy_names_of_the_new_arms():
     for name in ("suffix-d16-v32", "hybrid-d4-k2-v16", "suffix-d16-v32-p20", "hybrid-d4-k2-v16-p10", "suffix-d16-v32-p20-c1",
-                 "suffix-d16-v32-p20-c0"):
+                 "suffix-d16-v32-p20-c0", "suffix-d16-v32-pa-c1", "suffix-d16-v32-pa"):
         assert Strategy.parse(name).name == name and Strategy.parse(name).target_only
     assert [Strategy.parse(f"suffix-d16-v32{c}").calibrated for c in ("-c0", "-c1", "")] == [0, 1, 2]
     for refused in ("tree-d4-k2-v8-c0", "tree-d4-k2-v8-c1", "suffix-d16-v32-c3"):
         with pytest.raises(tlt.ConfigError, match="calibrated"):
             Strategy.parse(refused)
     assert Strategy.parse("hybrid-d4-k2-v16-p10").learned_tree.name == "tree-d4-k2-v16-p10"
-    for refused in ("ngram-d4-p20", "suffix-d16-v32-p100"):
-        with pytest.raises(tlt.ConfigError, match="prune"):
+    for refused in ("ngram-d4-p20", "suffix-d16-v32-p100", "tree-d4-k2-v8-pa", "hybrid-d4-k2-v16-pa", "suffix-d16-v32-pb"):
+        with pytest.raises(tlt.ConfigError, match="prune|cannot parse"):
             Strategy.parse(refused)
+    assert Strategy.parse("suffix-d16-v32-pa").auto_floor and not Strategy.parse("suffix-d16-v32-p25").auto_floor
     assert Strategy.parse("hybrid-d4-k2-v16").uses_drafter and not Strategy.parse("suffix-d16-v32").uses_drafter
     with pytest.raises(tlt.ConfigError):
         Strategy.parse("hybrid-d8-k2-v4")

@@ -39,6 +39,7 @@ class AdaptiveDecoder:
         self.output_layers = spec.output_layers
         self.drafter = spec.drafter
         self.calibration = spec.calibration
+        self.costs = spec.costs
 
     @classmethod
     def from_config(cls, model, config: EngineConfig, log) -> "AdaptiveDecoder":

@@ -47,13 +47,15 @@ class Decoder(Protocol):
     every admitted set of groups, `decode` every step, `appended` after every append of tokens, and
     `acceptance_length` when a sequence's completion is built. `output_layers` are the target layers
     whose outputs the prefill forward must return; `drafter` (the learned drafter, or None), `tuner`
-    (the adaptive tuner, or None) and `calibration` (the suffix drafts' speculative.suffix.Calibration, or
-    None) are what the engine exposes of it."""
+    (the adaptive tuner, or None), `calibration` (the suffix drafts' speculative.suffix.Calibration, or
+    None) and `costs` (speculative.cost.StepCosts, the measured cost of a verified token, or None) are what
+    the engine exposes of it."""
 
     output_layers: tuple[int, ...]
     drafter: torch.nn.Module | None
     tuner: object | None
     calibration: object | None
+    costs: object | None
 
     def start(self, prompts: list[list[int]], samples: list[int], history) -> list[list[object | None]]:
         """Per prompt, the state of each of its `samples` rows (None: the decoder keeps none). `history`
@@ -109,6 +111,7 @@ class PlainDecoder:
     drafter = None
     tuner = None
     calibration = None
+    costs = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

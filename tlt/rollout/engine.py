@@ -191,10 +191,13 @@ class RolloutEngine:
         return self._stats
 
     def stats(self) -> dict:
-        """`rollout_stats` as a dict (RolloutStats.as_dict), with the tuner's figures under "tuner"."""
+        """`rollout_stats` as a dict (RolloutStats.as_dict), with the tuner's figures under "tuner" and the
+        measured cost of a verified token per live-batch bucket under "step_costs" (speculative decoding)."""
         out = self._stats.as_dict()
         if self.tuner is not None:
             out["tuner"] = self.tuner.stats()
+        if self.decoder.costs is not None and self.decoder.costs.fits:
+            out["step_costs"] = self.decoder.costs.stats()
         return out
 
     def reset_stats(self) -> None:

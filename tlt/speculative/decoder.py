@@ -38,6 +38,7 @@ its acceptance counters) in `Sequence.state`, and the batch's `DraftState` in `L
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ from tlt.rollout.config import EngineConfig
 from tlt.rollout.decoding import DecodeResult, sample_next, stacked_layers
 from tlt.rollout.sampling import warp_logprobs
 from tlt.rollout.sequence import Sequence
+from tlt.speculative.cost import StepCosts
 from tlt.speculative.drafter import Drafter, check_tensors
 from tlt.speculative.strategy import Strategy
 from tlt.speculative.suffix import Calibration, SuffixAutomaton, SuffixIndex
@@ -219,6 +221,7 @@ class SpeculativeDecoder:
         # What fraction of suffix draft nodes verification accepts, learned from every suffix draft it
         # verifies (suffix.Calibration): kept for the engine's life, across rollouts, as the tuner is.
         self.calibration = Calibration()
+        self.costs = StepCosts()  # seconds per verified token, per live-batch bucket: the floor of "-pa" suffix drafts
 
     @classmethod
     def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":
@@ -276,9 +279,18 @@ class SpeculativeDecoder:
                                  torch.ones_like(pos), pos)
 
     def decode(self, batch, strategy: Strategy | None = None) -> DecodeResult:
+        """One step of `strategy` (default: the decoder's own). The cost of a model-free step (plain, n-gram,
+        suffix) is recorded in `costs`, which sets the floor of auto-pruned suffix drafts (cost.py); a learned
+        drafter's step also pays its forwards and catch-up, which a fit on verified tokens would charge to them."""
         strategy = strategy or self.strategy
-        if strategy.kind == "off":
-            return self._plain(batch)
+        start = time.perf_counter()
+        result = self._plain(batch) if strategy.kind == "off" else self._speculate(batch, strategy)
+        if not strategy.uses_drafter:
+            rows = len(result.tokens)
+            self.costs.record(rows, rows + result.drafted, sum(map(len, result.tokens)), time.perf_counter() - start)
+        return result
+
+    def _speculate(self, batch, strategy: Strategy) -> DecodeResult:
         names = weighed = None  # per row, each draft node's source and what the suffix drafter weighed
         if strategy.kind == "ngram":
             proposals = [s.state.index.propose(s.state.text, strategy.depth) for s in batch.seqs]
@@ -308,7 +320,7 @@ class SpeculativeDecoder:
         strategy's depth take the learned drafter's tree instead (one drafter pass for the batch)."""
         hybrid = strategy.kind == "hybrid"
         depth = strategy.verify_tokens if hybrid else strategy.depth
-        floor = strategy.prune / 100
+        floor = self.costs.floor(len(batch)) if strategy.auto_floor else strategy.prune / 100
         calibration = self.calibration.view(strategy.calibrated == 2) if strategy.calibrated else None
         # per sampled row, the continuations weighed after each node (what the calibration learns from);
         # greedy rows (evaluations) take other paths than sampling and teach it nothing

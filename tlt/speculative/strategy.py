@@ -12,7 +12,8 @@ its sibling samples, up to `depth` tokens; verified target-only), "suffix" (the 
 suffix.py: a tree of up to `verify_tokens` nodes and `depth` levels from the longest suffix match over
 the prompt, the sequence, its siblings and the prompt's earlier responses, and with `prune` P > 0 only
 the nodes whose path the sources' counts give at least P%, so a row's draft grows with the sources'
-agreement; verified target-only), "hybrid" (per row, the suffix tree where it is deeper than
+agreement, and with `-pa` the nodes worth their verification by the measured cost of a verified token at the
+live batch size (cost.py); verified target-only), "hybrid" (per row, the suffix tree where it is deeper than
 `depth`, else the learned drafter's tree of `depth` / `topk` / `verify_tokens`, both rows in
 one verification, `prune` applying to both; target-only). Suffix nodes are ranked and pruned by their
 calibrated acceptance (suffix.Calibration, learned from the decoder's verifications) per count of the
@@ -34,6 +35,7 @@ KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
 # decoding's bit for bit while a row sees at most 64 keys from its first masked one on (csrc/cpu_bf16.cpp
 # SPLIT_MARGIN), the node and its ancestors.
 MAX_DEPTH = 63
+AUTO = -1  # `prune` of a suffix draft cut where the measured cost of a verified token says ("-pa")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ class Strategy:
     depth: int = 6
     topk: int = 4
     verify_tokens: int = 24
-    prune: int = 0  # the least path probability (the drafter's, or the suffix sources'), in percent, a verified node needs
+    # the least path probability (the drafter's, or the suffix sources'), in percent, a verified node needs;
+    # AUTO (name "-pa", suffix drafts only): the measured cost of a verified token sets it (cost.py)
+    prune: int = 0
     # suffix nodes by their calibrated acceptance per (count, others, matched length) (2), per (count, others)
     # (1), or by the sources' raw frequencies (0)
     calibrated: int = 2
@@ -50,9 +54,12 @@ class Strategy:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"Strategy field 'kind' must be one of {KINDS}, got {self.kind!r}")
-        if self.prune and (self.kind not in ("tree", "suffix", "hybrid") or not 0 < self.prune < 100):
-            raise ConfigError(f"Strategy field 'prune' is a percent from 1 to 99 for a tree, suffix or hybrid draft, "
-                              f"got {self.prune} for {self.kind!r}")
+        if self.prune == AUTO:
+            if self.kind != "suffix":
+                raise ConfigError(f"Strategy field 'prune' is auto (-pa) for a suffix draft only, got it for {self.kind!r}")
+        elif self.prune and (self.kind not in ("tree", "suffix", "hybrid") or not 0 < self.prune < 100):
+            raise ConfigError(f"Strategy field 'prune' is a percent from 1 to 99 for a tree, suffix or hybrid draft "
+                              f"(or auto, -pa, for a suffix draft), got {self.prune} for {self.kind!r}")
         if self.calibrated not in (0, 1, 2) or (self.calibrated != 2 and self.kind not in ("suffix", "hybrid")):
             raise ConfigError(f"Strategy field 'calibrated' is 2, or for a suffix or hybrid draft 1 (calibrated without "
                               f"the matched length) or 0 (raw frequencies), got {self.calibrated} for {self.kind!r}")
@@ -72,6 +79,11 @@ class Strategy:
         """The least path score (cumulative draft log-prob) a pruned tree verifies: log(prune / 100); -inf
         unpruned."""
         return math.log(self.prune / 100) if self.prune else -math.inf
+
+    @property
+    def auto_floor(self) -> bool:
+        """Cut where the measured cost of a verified token says (cost.StepCosts), not at a fixed percent."""
+        return self.prune == AUTO
 
     @property
     def uses_drafter(self) -> bool:
@@ -107,7 +119,7 @@ class Strategy:
     def name(self) -> str:
         if self.kind == "off":
             return "off"
-        pruned = (f"-p{self.prune}" if self.prune else "") + ("" if self.calibrated == 2 else f"-c{self.calibrated}")
+        pruned = ("-pa" if self.auto_floor else f"-p{self.prune}" if self.prune else "") + ("" if self.calibrated == 2 else f"-c{self.calibrated}")
         if self.kind in ("tree", "hybrid"):
             return f"{self.kind}-d{self.depth}-k{self.topk}-v{self.verify_tokens}{pruned}"
         if self.kind == "suffix":
@@ -124,13 +136,13 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Inverse of `name`: "off", "chain-d4", "ngram-d6", "tree-d6-k4-v24", "tree-d4-k2-v8-p20",
-        "suffix-d16-v32", "suffix-d16-v32-p20", "suffix-d16-v32-p20-c1", "suffix-d16-v32-p20-c0", "hybrid-d4-k2-v16"."""
+        "suffix-d16-v32", "suffix-d16-v32-p20", "suffix-d16-v32-p20-c1", "suffix-d16-v32-pa-c1", "suffix-d16-v32-p20-c0", "hybrid-d4-k2-v16"."""
         parts = text.split("-")
         fields = {"d": "depth", "k": "topk", "v": "verify_tokens", "p": "prune", "c": "calibrated"}
         kwargs = {}
         try:
             for part in parts[1:]:
-                kwargs[fields[part[0]]] = int(part[1:])
+                kwargs[fields[part[0]]] = AUTO if part == "pa" else int(part[1:])
         except (KeyError, ValueError, IndexError):
             raise ConfigError(f"cannot parse strategy {text!r}; expected e.g. off, chain-d4, ngram-d6, tree-d6-k4-v24") from None
         return cls(kind=parts[0], **kwargs)
