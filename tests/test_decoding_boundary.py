@@ -135,8 +135,7 @@ def test_engine_stats_keep_their_keys_and_round_trip():
     engine = tlt.RolloutEngine(target, config=engine_config("ngram-d4", progress=False))
     engine.generate([[4, 5, 6, 4, 5]], tlt.SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True))
     stats = engine.stats()
-    costs = stats.pop("step_costs")  # the decoder's measured cost of a verified token, beside the rollout's record
-    assert set(stats) == ENGINE_STATS_KEYS and set(costs["2"]) == {"token_ms", "tokens_per_s", "floor", "steps"}  # two live rows
+    assert set(stats) == ENGINE_STATS_KEYS
     assert stats["decode_tokens"] == 20 and stats["steps"] == len(stats["step_times_s"])
     assert RolloutStats.from_dict(stats).as_dict() == stats
 

@@ -116,6 +116,10 @@ def test_an_auto_floor_drafts_what_the_measured_cost_allows():
     assert drafted[0.95] < drafted[0.01]
     stats = spec.stats()["step_costs"]  # every step's cost was recorded, per bucket
     assert stats and sum(b["steps"] for b in stats.values()) > 0
+    # an adaptive engine measures costs only where an arm drafts by them
+    for arms, measured in ((("off", "suffix-d8-v16-pa"), True), (("off", "suffix-d8-v16-p30"), False)):
+        adaptive = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", tuner=TunerConfig(arms=arms)))
+        assert (adaptive.decoder.costs is not None) == measured
 
 
 def test_history_of_the_same_samples_is_accepted_whole():

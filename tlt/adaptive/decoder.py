@@ -46,7 +46,8 @@ class AdaptiveDecoder:
         """The decoder of speculative="adaptive"; `log` takes the tuner's reports."""
         drafter = drafter_for(config, model)
         tuner = Tuner(config.tuner or TunerConfig(), log=log)
-        spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window, config.drafter_window)
+        spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window, config.drafter_window,
+                                  measure_costs=any(arm.auto_floor for arm in tuner.arms))
         return cls(spec, tuner, config.max_draft_tokens)
 
     def allowed(self, strategy: Strategy, batch_size: int) -> bool:

@@ -48,7 +48,8 @@ class Decoder(Protocol):
     `acceptance_length` when a sequence's completion is built. `output_layers` are the target layers
     whose outputs the prefill forward must return; `drafter` (the learned drafter, or None), `tuner`
     (the adaptive tuner, or None), `calibration` (the suffix drafts' speculative.suffix.Calibration, or
-    None) and `costs` (speculative.cost.StepCosts, the measured cost of a verified token, or None) are what
+    None) and `costs` (speculative.cost.StepCosts, the measured cost of a verified token where a "-pa" arm
+    drafts by it, or None) are what
     the engine exposes of it."""
 
     output_layers: tuple[int, ...]

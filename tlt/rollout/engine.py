@@ -192,7 +192,7 @@ class RolloutEngine:
 
     def stats(self) -> dict:
         """`rollout_stats` as a dict (RolloutStats.as_dict), with the tuner's figures under "tuner" and the
-        measured cost of a verified token per live-batch bucket under "step_costs" (speculative decoding)."""
+        measured cost of a verified token per live-batch bucket under "step_costs" (with a "-pa" suffix arm)."""
         out = self._stats.as_dict()
         if self.tuner is not None:
             out["tuner"] = self.tuner.stats()

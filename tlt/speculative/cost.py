@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 DECAY = 0.98  # weight of a step's measurement per later step of its bucket (about 50 steps of memory)
 MIN_STEPS = 16  # decayed steps a bucket needs before its own fit sets the floor
 MIN_SPREAD = 0.25  # least weighted spread (standard deviation) of verified tokens a row that identifies c
@@ -39,54 +41,40 @@ def bucket_of(rows: int) -> int:
 
 
 class _Fit:
-    """Decayed sums for least squares of seconds on (1, rows, verified tokens)."""
+    """Decayed sums for least squares of seconds on x = (1, rows, verified tokens): X'X, X't (whose first entries are
+    the decayed step count and seconds), the emitted tokens and the sums of verified tokens a row and its square."""
 
     def __init__(self) -> None:
-        self.xx = [[0.0] * 3 for _ in range(3)]
-        self.xt = [0.0] * 3
-        self.weight = 0.0
-        self.tokens = 0.0  # emitted tokens, decayed like the rest
-        self.seconds = 0.0
-        self.per_row = [0.0, 0.0]  # decayed sums of verified tokens a row and of its square
+        self.xx = np.zeros((3, 3))
+        self.xt = np.zeros(3)
+        self.tokens = 0.0
+        self.per_row = np.zeros(2)
+
+    @property
+    def weight(self) -> float:
+        return float(self.xx[0, 0])
+
+    @property
+    def seconds(self) -> float:
+        return float(self.xt[0])
 
     def add(self, rows: int, verified: int, emitted: int, seconds: float) -> None:
-        for i in range(3):
-            self.xt[i] *= DECAY
-            for j in range(3):
-                self.xx[i][j] *= DECAY
-        x = (1.0, float(rows), float(verified))
-        for i in range(3):
-            self.xt[i] += x[i] * seconds
-            for j in range(3):
-                self.xx[i][j] += x[i] * x[j]
+        x = np.array([1.0, rows, verified])
         per_row = verified / rows
-        self.per_row = [DECAY * self.per_row[0] + per_row, DECAY * self.per_row[1] + per_row * per_row]
-        self.weight = DECAY * self.weight + 1.0
+        self.xx = DECAY * self.xx + np.outer(x, x)
+        self.xt = DECAY * self.xt + x * seconds
         self.tokens = DECAY * self.tokens + emitted
-        self.seconds = DECAY * self.seconds + seconds
+        self.per_row = DECAY * self.per_row + (per_row, per_row * per_row)
 
     def spread(self) -> float:
         """Weighted standard deviation of verified tokens a row."""
-        mean = self.per_row[0] / self.weight
-        return math.sqrt(max(self.per_row[1] / self.weight - mean * mean, 0.0))
+        mean, square = self.per_row / self.weight
+        return math.sqrt(max(square - mean * mean, 0.0))
 
     def token_cost(self) -> float:
         """c of the fit: seconds per verified token at a fixed batch size."""
-        a = [row[:] + [t] for row, t in zip(self.xx, self.xt)]
-        scale = max(a[i][i] for i in range(3))
-        for i in range(3):
-            a[i][i] += RIDGE * scale
-        for col in range(3):  # Gaussian elimination with partial pivoting on the 3 x 4 system
-            pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
-            a[col], a[pivot] = a[pivot], a[col]
-            for r in range(col + 1, 3):
-                f = a[r][col] / a[col][col]
-                for k in range(col, 4):
-                    a[r][k] -= f * a[col][k]
-        coef = [0.0] * 3
-        for i in (2, 1, 0):
-            coef[i] = (a[i][3] - sum(a[i][k] * coef[k] for k in range(i + 1, 3))) / a[i][i]
-        return coef[2]
+        ridge = RIDGE * self.xx.diagonal().max() * np.eye(3)
+        return float(np.linalg.solve(self.xx + ridge, self.xt)[2])
 
 
 class StepCosts:
@@ -104,7 +92,7 @@ class StepCosts:
     def floor(self, rows: int) -> float:
         """The least calibrated path probability worth verifying at `rows` live rows: c r (module docstring)."""
         fit = self.fits.get(bucket_of(rows))
-        if fit is None or fit.weight < MIN_STEPS or fit.spread() < MIN_SPREAD or fit.seconds <= 0:
+        if fit is None or fit.weight < MIN_STEPS or fit.spread() < MIN_SPREAD:
             return PRIOR_FLOOR
         return min(MAX_FLOOR, max(MIN_FLOOR, fit.token_cost() * fit.tokens / fit.seconds))
 
@@ -113,6 +101,6 @@ class StepCosts:
         out = {}
         for key, fit in sorted(self.fits.items()):
             rows = 1 if key == 0 else (1 << (key - 1)) + 1
-            out[str(rows)] = {"token_ms": 1000 * fit.token_cost(), "tokens_per_s": fit.tokens / max(fit.seconds, 1e-12),
+            out[str(rows)] = {"token_ms": 1000 * fit.token_cost(), "tokens_per_s": fit.tokens / fit.seconds,
                               "floor": self.floor(rows), "steps": fit.weight}
         return out

@@ -211,7 +211,8 @@ class SpeculativeDecoder:
     tuner = None
 
     def __init__(self, model, drafter=None, strategy: Strategy | None = None,
-                 catch_up_window: int | None = None, drafter_window: int | str | None = None) -> None:
+                 catch_up_window: int | None = None, drafter_window: int | str | None = None,
+                 measure_costs: bool = False) -> None:
         self.model, self.drafter, self.catch_up_window = model, drafter, catch_up_window
         self.drafter_window = window_for(drafter_window, drafter)
         self.strategy = strategy or Strategy()
@@ -221,7 +222,8 @@ class SpeculativeDecoder:
         # What fraction of suffix draft nodes verification accepts, learned from every suffix draft it
         # verifies (suffix.Calibration): kept for the engine's life, across rollouts, as the tuner is.
         self.calibration = Calibration()
-        self.costs = StepCosts()  # seconds per verified token, per live-batch bucket: the floor of "-pa" suffix drafts
+        # seconds per verified token, per live-batch bucket: the floor of "-pa" suffix drafts, measured only for them
+        self.costs = StepCosts() if measure_costs or self.strategy.auto_floor else None
 
     @classmethod
     def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":
@@ -279,13 +281,14 @@ class SpeculativeDecoder:
                                  torch.ones_like(pos), pos)
 
     def decode(self, batch, strategy: Strategy | None = None) -> DecodeResult:
-        """One step of `strategy` (default: the decoder's own). The cost of a model-free step (plain, n-gram,
-        suffix) is recorded in `costs`, which sets the floor of auto-pruned suffix drafts (cost.py); a learned
-        drafter's step also pays its forwards and catch-up, which a fit on verified tokens would charge to them."""
+        """One step of `strategy` (default: the decoder's own). With `costs` (an engine with a "-pa" arm), the cost of
+        a model-free step (plain, n-gram, suffix) is recorded there, which sets the floor of auto-pruned suffix drafts
+        (cost.py); a learned drafter's step also pays its forwards and catch-up, which a fit on verified tokens would
+        charge to them."""
         strategy = strategy or self.strategy
         start = time.perf_counter()
         result = self._plain(batch) if strategy.kind == "off" else self._speculate(batch, strategy)
-        if not strategy.uses_drafter:
+        if self.costs is not None and not strategy.uses_drafter:
             rows = len(result.tokens)
             self.costs.record(rows, rows + result.drafted, sum(map(len, result.tokens)), time.perf_counter() - start)
         return result
