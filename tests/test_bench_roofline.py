@@ -60,8 +60,12 @@ def test_roofline_json_rows_for_tlt_and_transformers(hf_folder, tmp_path, small_
         assert record["avx512_bf16_peak_gflop_s"] > 0
         assert record["tlt_kernel_balance_rows"] == pytest.approx(
             record["tlt_kernel_256_rows_gflop_s"] / record["bandwidth_before_gb_s"])
+    if kernels is not None and kernels.amx():  # the fed tile unit: the ceiling once operands are loaded
+        assert record["amx_fed_tile_peak_gflop_s"] > 0
+        assert record["tlt_kernel_256_rows_vs_fed_tile_peak"] == pytest.approx(
+            record["tlt_kernel_256_rows_gflop_s"] / record["amx_fed_tile_peak_gflop_s"])
     if kernels is None or not kernels.amx():
-        assert "amx_tile_peak_gflop_s" not in record
+        assert "amx_tile_peak_gflop_s" not in record and "amx_fed_tile_peak_gflop_s" not in record
     from tlt.model import cpu_f32, packed
 
     if dtype == "float32" and packed.F32_KERNEL and cpu_f32.kernels() is not None:  # a CPU without AVX-512
@@ -120,8 +124,11 @@ def test_tile_peak_counts_the_operations_it_runs():
     threads = torch.get_num_threads()
     # four 16 x 16 x 32 tile products an iteration, on every thread
     assert kernels.tile_peak(10) == 2 * 16 * 16 * 32 * 4 * 10 * threads
+    assert kernels.tile_peak(10, fed=True) == 2 * 16 * 16 * 32 * 4 * 10 * threads  # the loads add no products
     with pytest.raises(RuntimeError, match="iterations"):
         kernels.tile_peak(0)
+    with pytest.raises(RuntimeError, match="iterations"):
+        kernels.tile_peak(0, fed=True)
 
 
 def test_streamed_bytes_counts_a_tied_head_once(tiny_model):

@@ -3,6 +3,7 @@ plain decoding with the same seeds, and in distribution (chi-square) with a hist
 continuations."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -174,6 +175,9 @@ def test_strategy_names_of_the_new_arms():
         with pytest.raises(tlt.ConfigError, match="prune|cannot parse"):
             Strategy.parse(refused)
     assert Strategy.parse("suffix-d16-v32-pa").auto_floor and not Strategy.parse("suffix-d16-v32-p25").auto_floor
+    assert Strategy.parse("suffix-d16-v32-p25").floor == pytest.approx(math.log(0.25))
+    with pytest.raises(ValueError, match="measured step costs"):  # no fixed value to hand a tree's pruning
+        Strategy.parse("suffix-d16-v32-pa").floor
     assert Strategy.parse("hybrid-d4-k2-v16").uses_drafter and not Strategy.parse("suffix-d16-v32").uses_drafter
     with pytest.raises(tlt.ConfigError):
         Strategy.parse("hybrid-d8-k2-v4")

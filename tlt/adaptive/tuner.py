@@ -54,8 +54,8 @@ poor draw it waits until that reward's weight has decayed, and again after every
 judged on several (synthetic streams: a suffix arm 30% faster than plain decoding but
 noisy, forgotten and re-measured, was kept out of most of the next 150 steps in 13 of 40 streams under
 the bucket's spread, in 2 of 40 under its own); a noisy arm that is worse is measured more often too.
-"bucket" stays the default: "arm" has been measured on the default policy only (docs/results/README.md,
-"Scaling each arm's bound by its own spread").
+"bucket" stays the default: on the default policy and on the bench policy's history runs the two were within
+one run's spread (docs/results/README.md, "Scaling each arm's bound by its own spread").
 
 Runs, and the step after a switch (`explore_run`). What a step earns depends on the arm before it: a
 step starts where the previous one's accepted path ended, and a deep tree run step after step settles

@@ -10,7 +10,9 @@ over T new tokens costs about one over a single token. The bench measures, in on
     oneDNN weights and plain `F.linear` at 1 row (GB/s of weight streamed, over weights larger than the
     cache) and at 256 rows (GFLOP/s); the bf16 throughput of AVX-512's dot products and, where AMX runs, of
     the tile unit, each on operands held in registers or tiles (no memory read: the ceiling of every product
-    on that unit), tlt's 256-row products as a fraction of the unit they run on, and the rows at which a
+    on that unit), and the tile unit fed one 1 KB tile load a product from L1 (the fewest loads any blocking
+    on eight tiles takes: the ceiling of a product that reads its operands at all), tlt's 256-row products as a
+    fraction of the unit they run on and of the fed tile unit, and the rows at which a
     product's arithmetic takes as long as streaming its weights (`tlt_kernel_balance_rows`);
   - the model, tlt and transformers on the same weights and dtype: one cached forward of T new tokens
     per row after P cached ones, at batch 1 for T = 1, 5, 9, 17, 33, and at batch 4, 16, 64 for T = 1;
@@ -139,6 +141,12 @@ def machine_limits(dtype, repeats: int = 5) -> dict[str, float]:
             out["avx512_bf16_peak_gflop_s"] = peak_gflop_s(kernels.dot_peak, DOT_PEAK_ITERATIONS)
             if kernels.amx():
                 out["amx_tile_peak_gflop_s"] = peak_gflop_s(kernels.tile_peak, TILE_PEAK_ITERATIONS)
+                # the same with one 1 KB tile load a product (operands in L1): the most a product on tiles
+                # can run at once its operands come from memory at all
+                out["amx_fed_tile_peak_gflop_s"] = peak_gflop_s(lambda n: kernels.tile_peak(n, fed=True),
+                                                                TILE_PEAK_ITERATIONS)
+                out["tlt_kernel_256_rows_vs_fed_tile_peak"] = (out["tlt_kernel_256_rows_gflop_s"]
+                                                               / out["amx_fed_tile_peak_gflop_s"])
             peak, name = (("amx_tile_peak_gflop_s", "tile_peak") if kernels.amx()
                           else ("avx512_bf16_peak_gflop_s", "avx512_peak"))
             out[f"tlt_kernel_256_rows_vs_{name}"] = out["tlt_kernel_256_rows_gflop_s"] / out[peak]

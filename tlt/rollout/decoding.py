@@ -39,6 +39,7 @@ class DecodeResult:
     visited: list[list[int]] | None = None  # per row, the draft nodes on the accepted path (root first)
     sources: dict | None = None  # draft source -> [row-steps, tokens, accepted draft tokens] (suffix drafts)
     drafted: int = 0  # draft tokens the step's verification held, over all rows (roots and padding not counted)
+    seconds: float = 0.0  # the step's time, drafting and verification (SpeculativeDecoder.decode)
 
 
 @runtime_checkable

@@ -281,16 +281,17 @@ class SpeculativeDecoder:
                                  torch.ones_like(pos), pos)
 
     def decode(self, batch, strategy: Strategy | None = None) -> DecodeResult:
-        """One step of `strategy` (default: the decoder's own). With `costs` (an engine with a "-pa" arm), the cost of
-        a model-free step (plain, n-gram, suffix) is recorded there, which sets the floor of auto-pruned suffix drafts
-        (cost.py); a learned drafter's step also pays its forwards and catch-up, which a fit on verified tokens would
-        charge to them."""
+        """One step of `strategy` (default: the decoder's own), timed (`DecodeResult.seconds`, what the tuner
+        rewards). With `costs` (an engine with a "-pa" arm), the cost of a model-free step (plain, n-gram, suffix)
+        is recorded there, which sets the floor of auto-pruned suffix drafts (cost.py); a learned drafter's step
+        also pays its forwards and catch-up, which a fit on verified tokens would charge to them."""
         strategy = strategy or self.strategy
         start = time.perf_counter()
         result = self._plain(batch) if strategy.kind == "off" else self._speculate(batch, strategy)
+        result.seconds = time.perf_counter() - start
         if self.costs is not None and not strategy.uses_drafter:
             rows = len(result.tokens)
-            self.costs.record(rows, rows + result.drafted, sum(map(len, result.tokens)), time.perf_counter() - start)
+            self.costs.record(rows, rows + result.drafted, sum(map(len, result.tokens)), result.seconds)
         return result
 
     def _speculate(self, batch, strategy: Strategy) -> DecodeResult:

@@ -77,7 +77,9 @@ class Strategy:
     @property
     def floor(self) -> float:
         """The least path score (cumulative draft log-prob) a pruned tree verifies: log(prune / 100); -inf
-        unpruned."""
+        unpruned. A "-pa" floor has no fixed value: the decoder's measured step costs set it each step."""
+        if self.auto_floor:
+            raise ValueError(f"{self.name}: its floor is set each step by the measured step costs (cost.StepCosts)")
         return math.log(self.prune / 100) if self.prune else -math.inf
 
     @property

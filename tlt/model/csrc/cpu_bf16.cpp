@@ -651,8 +651,11 @@ TARGET void dot_peak_task(int64_t iterations) {
 }
 
 // The tile unit's own throughput, the ceiling of every product on tiles: `tasks` x `iterations` x four TDPBF16PS
-// (two A by two B tiles into four C tiles, loaded once, so the loop reads no memory).
-TARGET_AMX void tile_peak_task(int64_t iterations, int64_t tasks) {
+// (two A by two B tiles into four C tiles). Unfed, the operands are loaded once, so the loop reads no memory. Fed,
+// every iteration loads its two A and two B tiles first (from 16 KB of contiguous 1 KB tiles that stay in L1): one
+// 1 KB load a product, the fewest any product on tiles can take with eight tiles, so this is the ceiling of a
+// product whose operands come from memory at all, whatever its blocking.
+TARGET_AMX void tile_peak_task(int64_t iterations, int64_t tasks, bool fed) {
   uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
   uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
   tile_configure(rows, colsb);
@@ -660,9 +663,19 @@ TARGET_AMX void tile_peak_task(int64_t iterations, int64_t tasks) {
   std::fill(small, small + 16 * 32, static_cast<uint16_t>(0x3c00));  // bf16 1/128: the sums stay small
   for (int t = 4; t < 8; ++t) tile_load(t, small, 64);
   alignas(64) float sink[16 * 16];
+  constexpr int64_t TILES = 16;  // 1 KB tiles the fed loop cycles through: 16 KB, in L1
+  alignas(64) static thread_local uint16_t operands[TILES * 16 * 32];
+  std::fill(operands, operands + TILES * 16 * 32, static_cast<uint16_t>(0x3c00));
   for (int64_t t = 0; t < tasks; ++t) {
     for (int c = 0; c < 4; ++c) tile_clear(c);
     for (int64_t i = 0; i < iterations; ++i) {
+      if (fed) {
+        const uint16_t* o = operands + (4 * i % TILES) * 16 * 32;
+        _tile_loadd(4, o, 64);
+        _tile_loadd(5, o + 16 * 32, 64);
+        _tile_loadd(6, o + 2 * 16 * 32, 64);
+        _tile_loadd(7, o + 3 * 16 * 32, 64);
+      }
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(2, 5, 6);
@@ -1055,11 +1068,11 @@ bool amx() { return amx_on && amx_granted(); }
 void set_amx(bool on) { amx_on = on; }
 
 // Floating-point operations of tile_peak_task run once on every thread of the pool (AMX only); the caller times it.
-double tile_peak(int64_t iterations) {
+double tile_peak(int64_t iterations, bool fed) {
   TORCH_CHECK(amx(), "tile_peak: this CPU or process does not run AMX tiles");
   TORCH_CHECK(iterations >= 1, "tile_peak: iterations must be >= 1");
   int64_t tasks = at::get_num_threads();
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) { tile_peak_task(iterations, t1 - t0); });
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) { tile_peak_task(iterations, t1 - t0, fed); });
   return 2.0 * 16 * 16 * 32 * 4 * static_cast<double>(iterations) * static_cast<double>(tasks);  // 2 a multiply-add
 }
 
@@ -1727,7 +1740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported);
   m.def("amx", &amx);
   m.def("set_amx", &set_amx);
-  m.def("tile_peak", &tile_peak);
+  m.def("tile_peak", &tile_peak, py::arg("iterations"), py::arg("fed") = false);
   m.def("dot_peak", &dot_peak);
   m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("residual"),
         py::arg("scales") = py::none(), py::arg("silu") = false);
