@@ -1,7 +1,7 @@
 """Two versions of tlt's bf16 CPU kernels side by side in one process: same bits, and which is faster.
 
     python scripts/kernel_ab.py OLD.cpp NEW.cpp [--attention B,S,T ...] [--heads H,KV,D] [--linear M ...] [--repeats 11]
-                                [--old-keys natural]
+                                [--old-keys natural] [--weight-sets N]
 
 builds both sources as extensions of their own names (the first build of each takes a minute or two), then
   - checks that they give the same bits: attention over a paired bf16 cache (ragged rows, tree masks, 1 to 17
@@ -15,6 +15,9 @@ The shapes are the bench policy's (16 query heads over 8 kv heads of 48 dimensio
 The attention reads the keys in the layout the engine's cache keeps here (packed where the kernels run without AMX);
 `--old-keys natural` hands OLD the same keys in the usual layout instead: for a source from before packed keys, or,
 with one source as OLD and NEW, the packed layout against the usual one.
+`--weight-sets N` runs the twelve layers' products over N distinct sets of weights in turn (default 12: every layer
+its own, read from memory); with 1, one layer's weights (15 MB) serve all twelve and stay in the last-level cache,
+which separates the products' arithmetic from the stream of their weights.
 On the project's shared 2-core machine one run's ratios spread by a few percent: a change is worth keeping
 when it holds over several runs. Prints one JSON object."""
 
@@ -134,7 +137,11 @@ def main(argv: list[str] | None = None, modules=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--old-keys", choices=("engine", "natural"), default="engine",
                         help="the keys' layout OLD's attention reads: the engine cache's here, or the usual layout")
+    parser.add_argument("--weight-sets", type=int, default=LAYERS, metavar="N",
+                        help=f"distinct weight sets the {LAYERS} layers' products take in turn (1: one layer's, cached)")
     args = parser.parse_args(argv)
+    if not 1 <= args.weight_sets <= LAYERS:
+        parser.error(f"--weight-sets: expected 1 to {LAYERS} distinct sets of weights, got {args.weight_sets}")
     for path in (args.old, args.new):
         if modules is None and not path.is_file():
             parser.error(f"{path}: no such source file")
@@ -155,8 +162,9 @@ def main(argv: list[str] | None = None, modules=None) -> int:
         result["attention"][f"{B},{S},{T}"] = timed(
             modules, lambda i: [modules[i].attention(q, k, v, m, True, **layout)
                                 for q, k, v, m, layout in (calls[i] for calls in cases)], args.repeats)
-    weights = [[(cpu_kernels.pack(torch.randn(N, K, generator=gen).bfloat16() * 0.02), N) for K, N in PRODUCTS]
-               for _ in range(LAYERS)]
+    sets = [[(cpu_kernels.pack(torch.randn(N, K, generator=gen).bfloat16() * 0.02), N) for K, N in PRODUCTS]
+            for _ in range(args.weight_sets)]
+    weights = [sets[layer % args.weight_sets] for layer in range(LAYERS)]
     for M in args.linear:
         xs = [torch.randn(M, K, generator=gen).bfloat16() for K, _ in PRODUCTS]
         result["linear"][str(M)] = timed(

@@ -37,6 +37,27 @@ def test_the_same_kernels_give_the_same_bits_and_are_timed_side_by_side(script, 
         assert figures["old_ms"] > 0 and figures["new_ms"] > 0 and figures["new_over_old"] > 0
 
 
+def test_fewer_weight_sets_run_the_same_twelve_layers_of_products(script, capsys):
+    """--weight-sets 1: the twelve layers' products all take one layer's weights (the same calls otherwise)."""
+    counted = []
+
+    class Counting:
+        attention = staticmethod(kernels.attention)
+
+        def linear(self, x, w, *args):
+            counted.append(w.data_ptr())
+            return kernels.linear(x, w, *args)
+
+    rc = script("kernel_ab").main(["old.cpp", "new.cpp", "--attention", "--linear", "3", "--repeats", "1",
+                                   "--threads", "1", "--weight-sets", "1"], modules=[kernels, Counting()])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["linear"]["3"]["new_ms"] > 0
+    timed = counted[-2 * 12 * 4:]  # two repeats (the warm-up and one timed) of twelve layers' four products
+    assert len(set(timed)) == 4  # one layer's four weights, over and over
+    with pytest.raises(SystemExit):
+        script("kernel_ab").main(["a.cpp", "b.cpp", "--weight-sets", "13"])
+    assert "expected 1 to 12 distinct sets of weights, got 13" in capsys.readouterr().err
+
+
 class Recording:
     """The kernels, noting the (query heads, kv heads, head size) of every attention call."""
 
