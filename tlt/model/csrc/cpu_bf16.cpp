@@ -665,7 +665,7 @@ TARGET_AMX void tile_peak_task(int64_t iterations, int64_t tasks, bool fed) {
   alignas(64) float sink[16 * 16];
   constexpr int64_t TILES = 16;  // 1 KB tiles the fed loop cycles through: 16 KB, in L1
   alignas(64) static thread_local uint16_t operands[TILES * 16 * 32];
-  std::fill(operands, operands + TILES * 16 * 32, static_cast<uint16_t>(0x3c00));
+  if (fed) std::fill(operands, operands + TILES * 16 * 32, static_cast<uint16_t>(0x3c00));
   for (int64_t t = 0; t < tasks; ++t) {
     for (int c = 0; c < 4; ++c) tile_clear(c);
     for (int64_t i = 0; i < iterations; ++i) {
