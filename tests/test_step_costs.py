@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tlt.speculative.cost import MAX_FLOOR, MIN_FLOOR, MIN_STEPS, PRIOR_FLOOR, StepCosts, bucket_of
+from tlt.speculative.cost import MAX_FLOOR, MIN_FLOOR, MIN_STEPS, PRIOR_FLOOR, StepCosts, power_of_two_bucket
 
 
 def steps(costs, a, b, c, rows_range, per_row_range, accept, n=200, noise=0.0, seed=0):
@@ -23,13 +23,27 @@ def steps(costs, a, b, c, rows_range, per_row_range, accept, n=200, noise=0.0, s
 
 
 def test_buckets_are_the_tuners_powers_of_two():
-    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 6, 7]
+    assert [power_of_two_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 6, 7]
+
+
+def test_the_fits_follow_the_buckets_given():
+    """With a tuner's buckets (here 1-4 | 5-32 | 33-), steps at 5 and 30 rows share one fit, and its stats are
+    labelled by the smallest batch size recorded in it."""
+    from tlt.adaptive import Tuner, TunerConfig
+
+    tuner = Tuner(TunerConfig(buckets=(4, 32)))
+    costs = StepCosts(tuner.bucket_of)
+    for rows in (5, 30, 12, 40):
+        costs.record(rows, 2 * rows, rows, 0.01)
+    assert sorted(costs.fits) == [1, 2]
+    assert costs.fits[1].weight == pytest.approx(1 + 0.98 + 0.98 ** 2)
+    assert sorted(costs.stats()) == ["40", "5"]
 
 
 def test_the_floor_is_the_fitted_token_cost_times_the_rate():
     costs = StepCosts()
     steps(costs, 0.004, 0.0008, 0.00012, (9, 16), (1.0, 5.0), 0.6, noise=0.05)
-    fit = costs.fits[bucket_of(12)]
+    fit = costs.fits[power_of_two_bucket(12)]
     assert fit.token_cost() == pytest.approx(0.00012, rel=0.15)
     assert costs.floor(12) == pytest.approx(fit.token_cost() * fit.tokens / fit.seconds, rel=1e-9)
     assert costs.stats()["9"]["token_ms"] == pytest.approx(0.12, rel=0.15)
@@ -65,4 +79,4 @@ def test_old_steps_fade():
     costs = StepCosts()
     steps(costs, 0.004, 0.0008, 0.0004, (5, 8), (1.0, 4.0), 0.6)
     steps(costs, 0.004, 0.0008, 0.0001, (5, 8), (1.0, 4.0), 0.6, n=300, seed=1)
-    assert costs.fits[bucket_of(6)].token_cost() == pytest.approx(0.0001, rel=0.05)
+    assert costs.fits[power_of_two_bucket(6)].token_cost() == pytest.approx(0.0001, rel=0.05)

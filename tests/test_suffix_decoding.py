@@ -121,6 +121,10 @@ def test_an_auto_floor_drafts_what_the_measured_cost_allows():
     for arms, measured in ((("off", "suffix-d8-v16-pa"), True), (("off", "suffix-d8-v16-p30"), False)):
         adaptive = tlt.RolloutEngine(target, config=tlt.EngineConfig(speculative="adaptive", tuner=TunerConfig(arms=arms)))
         assert (adaptive.decoder.costs is not None) == measured
+    # and fits them over its tuner's buckets
+    adaptive = tlt.RolloutEngine(target, config=tlt.EngineConfig(
+        speculative="adaptive", tuner=TunerConfig(arms=("off", "suffix-d8-v16-pa"), buckets=(4, 32))))
+    assert [adaptive.decoder.costs.bucket_of(b) for b in (4, 5, 32, 33)] == [0, 1, 1, 2]
 
 
 def test_history_of_the_same_samples_is_accepted_whole():

@@ -45,7 +45,7 @@ class AdaptiveDecoder:
         drafter = drafter_for(config, model)
         tuner = Tuner(config.tuner or TunerConfig(), log=log)
         spec = SpeculativeDecoder(model, drafter, Strategy(kind="off"), config.catch_up_window, config.drafter_window,
-                                  measure_costs=any(arm.auto_floor for arm in tuner.arms))
+                                  measure_costs=any(arm.auto_floor for arm in tuner.arms), cost_buckets=tuner.bucket_of)
         return cls(spec, tuner, config.max_draft_tokens)
 
     def allowed(self, strategy: Strategy, batch_size: int) -> bool:

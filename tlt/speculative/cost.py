@@ -35,8 +35,8 @@ MIN_FLOOR, MAX_FLOOR = 0.02, 0.9
 RIDGE = 1e-9  # keeps the normal equations solvable when a bucket's batch size never varies
 
 
-def bucket_of(rows: int) -> int:
-    """Power-of-two buckets of the live batch size: 1 | 2 | 3-4 | 5-8 | 9-16 | ... (the tuner's default)."""
+def power_of_two_bucket(rows: int) -> int:
+    """Power-of-two buckets of the live batch size: 1 | 2 | 3-4 | 5-8 | 9-16 | ... (the tuner's default buckets)."""
     return max(rows - 1, 0).bit_length()
 
 
@@ -49,6 +49,7 @@ class _Fit:
         self.xt = np.zeros(3)
         self.tokens = 0.0
         self.per_row = np.zeros(2)
+        self.least_rows = 0  # the smallest batch size recorded (the bucket's label in stats)
 
     @property
     def weight(self) -> float:
@@ -60,6 +61,7 @@ class _Fit:
 
     def add(self, rows: int, verified: int, emitted: int, seconds: float) -> None:
         x = np.array([1.0, rows, verified])
+        self.least_rows = min(self.least_rows, rows) if self.least_rows else rows
         per_row = verified / rows
         self.xx = DECAY * self.xx + np.outer(x, x)
         self.xt = DECAY * self.xt + x * seconds
@@ -78,29 +80,33 @@ class _Fit:
 
 
 class StepCosts:
-    """Per live-batch bucket, the fit of step seconds on batch size and verified tokens (module docstring)."""
+    """Per live-batch bucket, the fit of step seconds on batch size and verified tokens (module docstring).
+    `bucket_of` maps a batch size to its bucket: the adaptive engine passes its tuner's, so the floor of a bucket
+    is fitted over the steps the tuner's bandit of that bucket sees."""
 
-    def __init__(self) -> None:
+    def __init__(self, bucket_of=power_of_two_bucket) -> None:
         self.fits: dict[int, _Fit] = {}
+        self.bucket_of = bucket_of
 
     def record(self, rows: int, verified: int, emitted: int, seconds: float) -> None:
         """One decode step: its live rows, tokens its forward verified (the rows' roots included), tokens it
         emitted and its seconds."""
         if rows > 0 and seconds > 0:
-            self.fits.setdefault(bucket_of(rows), _Fit()).add(rows, verified, emitted, seconds)
+            self.fits.setdefault(self.bucket_of(rows), _Fit()).add(rows, verified, emitted, seconds)
 
     def floor(self, rows: int) -> float:
         """The least calibrated path probability worth verifying at `rows` live rows: c r (module docstring)."""
-        fit = self.fits.get(bucket_of(rows))
+        fit = self.fits.get(self.bucket_of(rows))
         if fit is None or fit.weight < MIN_STEPS or fit.spread() < MIN_SPREAD:
             return PRIOR_FLOOR
         return min(MAX_FLOOR, max(MIN_FLOOR, fit.token_cost() * fit.tokens / fit.seconds))
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Per bucket (its smallest batch size), the fitted seconds per verified token, tokens a second and floor."""
+        """Per bucket (the smallest batch size recorded in it), the fitted seconds per verified token, tokens a
+        second and floor."""
         out = {}
-        for key, fit in sorted(self.fits.items()):
-            rows = 1 if key == 0 else (1 << (key - 1)) + 1
+        for _, fit in sorted(self.fits.items()):
+            rows = fit.least_rows
             out[str(rows)] = {"token_ms": 1000 * fit.token_cost(), "tokens_per_s": fit.tokens / fit.seconds,
                               "floor": self.floor(rows), "steps": fit.weight}
         return out
