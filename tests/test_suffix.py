@@ -300,6 +300,30 @@ def test_self_matches_and_the_window_draft_as_their_sources():
     assert tokens == [42, 43] and names == ["window", "window"]
 
 
+def test_only_the_longest_matched_context_drafts():
+    """A window whose match is shorter than the group's adds no branch and no counts (its continuations follow
+    another context); where the window's match is the longer, it drafts alone; tied matches are averaged."""
+    window = SuffixAutomaton.of([[3, 5]] * 10 + [[7, 8, 2, 3, 6]])
+    index = SuffixIndex([9, 1, 2, 3, 4], window=window)
+    text = [9, 1, 2, 3, 4, 1, 2, 3]  # the group (its prompt) matches 1 2 3 -> 4; the window 2 3 -> 6, or 3 -> 5
+    index.add(text, 5)
+    tokens, parents, names, matched = index.tree(text, 1, 4)
+    assert (tokens, names, matched) == ([4], ["prompt"], 3)
+    scores = []
+    draft_tree(index.sources(text), 1, 4, scores=scores)
+    assert scores == [1.0]  # pooled with the window's 5 and 6 it would have been 4 / 5 at most
+    other = [9, 1, 2, 3, 4, 7, 8, 2, 3]  # the window matches 7 8 2 3 (4 tokens), the group 2 3 (2)
+    index.add(other, 5)
+    tokens, _, names, _ = index.tree(other, 1, 4)
+    assert (tokens, names) == ([6], ["window"])
+    tied = SuffixIndex([9, 1, 2, 5], window=SuffixAutomaton.of([[1, 2, 6]]))
+    row = [9, 1, 2, 5, 1, 2]  # both match 1 2 (2 tokens)
+    tied.add(row, 4)
+    scores = []
+    tokens, _, _, _ = draft_tree(tied.sources(row), 1, 4, scores=scores)
+    assert sorted(tokens) == [5, 6] and scores == [0.5, 0.5]
+
+
 def test_a_random_group_drafts_fast_enough():
     """Drafting must stay small next to a decode step: 8 rows x 200 steps on a 4-token alphabet."""
     import time

@@ -25,10 +25,15 @@ names where a draft token came from (the metrics), never what is drafted.
 
 Drafting (`draft_tree`) is best-first: a node's score is the product of the conditional probabilities on
 its path; the `budget` best nodes up to `max_depth` are kept. When several automata draft (the group's,
-and a read-only one over the run's recent responses to any prompt), their conditional frequencies are
-averaged with weights equal to their matched lengths: a longer context is the better witness. A
-source's state follows the drafted path; where the path leaves what it has seen, it backs off along
-suffix links (a shorter context) and drops out below `min_match` tokens.
+and a read-only one over the run's recent responses to any prompt, the window), at each node only those
+with the longest matched context speak (tied ones averaged): a longer context is the better witness, and
+counts after a shorter one are another distribution. Pooling them (the window's counts after two tokens
+with the group's after twenty) diluted the group's estimates and made the window a loss; with the longest
+context alone, a window of 64 responses to other bench problems (the arithmetic facts they share) took a
+prompt's first rollout from 1.88 to 4.60 tokens a row-step and 1.58x as fast (docs/results/README.md, "The
+window"). A source's state follows the drafted path; where the path leaves what it has seen, it backs off
+along suffix links (a shorter context) and drops out below `min_match` tokens, so another source may take
+over there.
 
 A raw frequency is a poor probability. On the bench policy (docs/results/README.md, "Calibrated suffix
 drafts"), of the continuations the target could take (their parent accepted), one seen once with no other
@@ -281,8 +286,9 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
                scores: list[float] | None = None, calibration: Calibration | _CountsOnly | None = None,
                candidates: dict | None = None) -> tuple[list[int], list[int], list[str], int]:
     """The best `budget` continuation nodes up to `max_depth` deep, of those whose path score (the product
-    of the conditional probabilities along it: the match-weighted continuation frequencies, or with
-    `calibration` its estimates from the sources' summed counts) is at least `floor`. Returns (tokens,
+    of the conditional probabilities along it: the continuation frequencies after the longest matched context,
+    averaged over the sources that match that long, or with `calibration` its estimates from those sources'
+    summed counts) is at least `floor`. Returns (tokens,
     parents, names, matched): node i + 1 has token tokens[i] and parent parents[i] (0: the root, the row's
     last token), parents before children; names[i] is the node's source; matched is the longest match.
     Nodes come best score first; `scores`, when given, receives each node's, `candidates` per expanded
@@ -303,6 +309,8 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
 
     def push_children(node: int, depth: int, score: float, views: list) -> None:
         nonlocal order
+        longest_here = max(m for _, _, m in views)
+        views = [v for v in views if v[2] == longest_here]  # the longest context speaks alone (module docstring)
         merged: dict[int, list] = {}  # token -> [weighted probability, best (weight, src, child), count]
         total_weight = sum(m for _, _, m in views)
         total_mass = 0
