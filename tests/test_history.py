@@ -54,6 +54,12 @@ def test_window_holds_the_most_recent_responses_of_any_prompt():
     store.add([1], [[1], [2]], 0)
     store.add([2], [[3], [4]], 0)
     assert store.drafts([[5]]).window == [[2], [3], [4]]
+    capped = HistoryStore(HistoryConfig(window=3, window_tokens=5))  # the newest responses that fit in 5 tokens
+    capped.add([1], [[1, 1], [2, 2, 2]], 0)
+    capped.add([2], [[3, 3]], 0)
+    assert capped.drafts([[5]]).window == [[2, 2, 2], [3, 3]]
+    with pytest.raises(ConfigError, match="window_tokens"):
+        HistoryConfig(window_tokens=-1)
 
 
 def test_state_round_trip_continues_identically():

@@ -277,12 +277,14 @@ def test_a_run_whose_config_json_has_the_flat_keys_of_the_previous_release_resum
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config = resume_config(tmp_path, ["steps=5"])
-    # the run keeps the arms, buckets and exploration it was started with (the defaults of that release)
+    # the run keeps the arms, buckets, exploration and history it was started with (the defaults of that release)
     assert config == override(TrainConfig(), {"steps": 5, "optim.lr": 0.01, "drafter.train": "off",
                                               "tuner.epsilon": 0.5, "eval.every": 5, "log.wandb_project": "p",
                                               "tuner.arms": tuple(flat["tuner_arms"]),
                                               "tuner.buckets": tuple(flat["tuner_buckets"]),
-                                              "tuner.explore": flat["tuner_explore"]})
+                                              "tuner.explore": flat["tuner_explore"],
+                                              "history.responses": flat["history_responses"],
+                                              "history.window": flat["history_window"]})
     run = tmp_path / "run"
     args = cli_args(model_dir)
     assert main(["train", "--out", str(run), *args]) == 0

@@ -30,13 +30,15 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class HistoryConfig:
-    responses: int = setting(8, "responses kept per prompt, the newest (0: no history is kept)")
+    responses: int = setting(24, "responses kept per prompt, the newest (0: no history is kept)")
     mb: float = setting(64, "megabytes of responses in all, the oldest evicted first")
     max_age: int = setting(0, "policy versions a response may be old to be drafted from (0: any)")
-    window: int = setting(0, "the run's most recent responses (any prompt) sent with every rollout")
+    window: int = setting(128, "the run's most recent responses (any prompt) sent with every rollout (0: none)")
+    window_tokens: int = setting(1 << 17, "tokens the window holds at most: its newest responses that fit (0: no cap); "
+                                          "an engine's automaton over it takes about 500 bytes a token")
 
     def __post_init__(self) -> None:
-        for name in ("responses", "max_age", "window"):
+        for name in ("responses", "max_age", "window", "window_tokens"):
             check_int(self, name, 0)
         check_numbers(self)
         check(self, "mb", self.mb > 0, "> 0")
@@ -124,13 +126,17 @@ class HistoryStore:
         """The record a rollout of `prompts` drafts from; counts its hits (prompts with history)."""
         responses = [self.responses(p, version) for p in prompts]
         self.lookups, self.hits = len(prompts), sum(1 for r in responses if r)
-        window = []
+        window, tokens, cap = [], 0, self.config.window_tokens
         if self.config.window:
             for seq in reversed(self._order):
                 if len(window) == self.config.window:
                     break
                 key = self._order[seq]
-                window.append(next(e for e in self._prompts[key] if e.seq == seq).tokens.tolist())
+                response = next(e for e in self._prompts[key] if e.seq == seq).tokens
+                tokens += len(response)
+                if cap and tokens > cap:
+                    break
+                window.append(response.tolist())
             window.reverse()
         return HistoryDrafts(responses, window)
 
