@@ -42,7 +42,9 @@ def histories(target, prompts, params, kind):
 
         other = tlt.RolloutEngine(target).generate(prompts, replace(params, seed=(params.seed or 0) + 1))
         return HistoryDrafts([[c.token_ids for c in o.outputs] for o in other], window=[[5, 6, 7, 8, 9]])
-    return HistoryDrafts([least_likely_continuations(target, p, 12, 3) for p in prompts])
+    adversarial = [least_likely_continuations(target, p, 12, 3) for p in prompts]
+    # the window too: every prompt's adversarial continuations, drafting wherever they match longest
+    return HistoryDrafts(adversarial, window=[r for responses in adversarial for r in responses])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -158,12 +160,16 @@ def test_sampling_with_an_adversarial_history_is_exact():
     prompt = list(range(VOCAB)) * 2
     history = least_likely_continuations(target, prompt, 3, VOCAB) + \
         [list(c) for c in itertools.product(range(VOCAB), repeat=3) if sum(c) % 7 == 0][:24]
+    # a window of other continuations after the prompt's tail: it drafts where the group's match is the shorter
+    window = [prompt[-3:] + list(c) for c in itertools.product(range(VOCAB), repeat=3) if sum(c) % 5 == 1][:24]
     spec = engine(target, "suffix-d3-v6", max_batch_size=20_000)
     params = tlt.SamplingParams(n=20_000, temperature=1.0, top_k=5, max_tokens=3, seed=1, ignore_eos=True)
-    seqs = torch.tensor([c.token_ids for c in spec.generate([prompt], params, history=HistoryDrafts([history]))[0].outputs])
+    drafts = HistoryDrafts([history], window=window)
+    seqs = torch.tensor([c.token_ids for c in spec.generate([prompt], params, history=drafts)[0].outputs])
     counts = torch.bincount((seqs * torch.tensor([VOCAB * VOCAB, VOCAB, 1])).sum(1), minlength=VOCAB ** 3)
     assert chi_square_pvalue(counts, exact_three_token_distribution(target, prompt, 1.0, 5, 1.0)) > 0.001
-    assert spec.stats()["draft_sources"]["history"][2] > 0  # history drafts were proposed and some accepted
+    sources = spec.stats()["draft_sources"]
+    assert sources["history"][2] > 0 and sources["window"][2] > 0  # both drafted, and some of each accepted
 
 
 def test_strategy_names_of_the_new_arms():

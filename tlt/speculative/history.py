@@ -13,7 +13,7 @@ and the store is saved in run checkpoints as plain lists (`state_dict`), so a re
 the very history the interrupted one had. `window` adds the run's most recent responses to any prompt
 (the newest 128 that fit in `window_tokens`; 0 turns it off), a source for prompts seen for the first time:
 on the bench policy's 64-problem x 4-epoch run it took the first epoch, which has no history of its prompts,
-from 1.08x to 1.23x the rollout speed of the tuner without suffix arms (docs/results/README.md, "The window,
+from 1.08x to 1.20-1.23x the rollout speed of the tuner without suffix arms (docs/results/README.md, "The window,
 and more history").
 """
 
