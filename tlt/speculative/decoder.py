@@ -49,7 +49,7 @@ from tlt.rollout.config import EngineConfig
 from tlt.rollout.decoding import DecodeResult, sample_next, stacked_layers
 from tlt.rollout.sampling import warp_logprobs
 from tlt.rollout.sequence import Sequence
-from tlt.speculative.cost import StepCosts
+from tlt.speculative.cost import StepCosts, power_of_two_bucket
 from tlt.speculative.drafter import Drafter, check_tensors
 from tlt.speculative.strategy import Strategy
 from tlt.speculative.suffix import Calibration, SuffixAutomaton, SuffixIndex
@@ -224,8 +224,8 @@ class SpeculativeDecoder:
         self.calibration = Calibration()
         # seconds per verified token, per live-batch bucket (cost_buckets: batch size -> bucket, a tuner's; default
         # powers of two): the floor of "-pa" suffix drafts, measured only for them
-        buckets = {} if cost_buckets is None else {"bucket_of": cost_buckets}
-        self.costs = StepCosts(**buckets) if measure_costs or self.strategy.auto_floor else None
+        measured = measure_costs or self.strategy.auto_floor
+        self.costs = StepCosts(cost_buckets or power_of_two_bucket) if measured else None
 
     @classmethod
     def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":
