@@ -212,7 +212,7 @@ class SpeculativeDecoder:
 
     def __init__(self, model, drafter=None, strategy: Strategy | None = None,
                  catch_up_window: int | None = None, drafter_window: int | str | None = None,
-                 measure_costs: bool = False, cost_buckets=None) -> None:
+                 measure_costs: bool = False, cost_buckets=power_of_two_bucket) -> None:
         self.model, self.drafter, self.catch_up_window = model, drafter, catch_up_window
         self.drafter_window = window_for(drafter_window, drafter)
         self.strategy = strategy or Strategy()
@@ -222,10 +222,9 @@ class SpeculativeDecoder:
         # What fraction of suffix draft nodes verification accepts, learned from every suffix draft it
         # verifies (suffix.Calibration): kept for the engine's life, across rollouts, as the tuner is.
         self.calibration = Calibration()
-        # seconds per verified token, per live-batch bucket (cost_buckets: batch size -> bucket, a tuner's; default
-        # powers of two): the floor of "-pa" suffix drafts, measured only for them
-        measured = measure_costs or self.strategy.auto_floor
-        self.costs = StepCosts(cost_buckets or power_of_two_bucket) if measured else None
+        # seconds per verified token, per live-batch bucket (cost_buckets: batch size -> bucket, an adaptive engine's
+        # tuner's): the floor of "-pa" suffix drafts, measured only for them
+        self.costs = StepCosts(cost_buckets) if measure_costs or self.strategy.auto_floor else None
 
     @classmethod
     def from_config(cls, model, config: EngineConfig) -> "SpeculativeDecoder":

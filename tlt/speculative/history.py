@@ -11,10 +11,10 @@ It lives with the driver of the run (the trainer), not in the engines: a rollout
 responses with the prompts as a plain `HistoryDrafts` record, so Ray workers need no state of their own,
 and the store is saved in run checkpoints as plain lists (`state_dict`), so a resumed run drafts from
 the very history the interrupted one had. `window` adds the run's most recent responses to any prompt
-(the newest 128 that fit in `window_tokens`; 0 turns it off), a source for prompts seen for the first time:
-on the bench policy's 64-problem x 4-epoch run it took the first epoch, which has no history of its prompts,
-from 1.08x to 1.20-1.23x the rollout speed of the tuner without suffix arms (docs/results/README.md, "The window,
-and more history").
+(the newest `window` of them that fit in `window_tokens`; 0 turns it off), a source for prompts seen for the
+first time: on the bench policy's 64-problem x 4-epoch run the first epoch, which has no history of its
+prompts, rolls out 1.20-1.23x as fast as the tuner without suffix arms with the window and 1.08x without it
+(docs/results/README.md, "The window, and more history").
 """
 
 from __future__ import annotations

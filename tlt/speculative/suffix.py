@@ -27,11 +27,11 @@ Drafting (`draft_tree`) is best-first: a node's score is the product of the cond
 its path; the `budget` best nodes up to `max_depth` are kept. When several automata draft (the group's,
 and a read-only one over the run's recent responses to any prompt, the window), at each node only those
 with the longest matched context speak (tied ones averaged): a longer context is the better witness, and
-counts after a shorter one are another distribution. Pooling them (the window's counts after two tokens
-with the group's after twenty) diluted the group's estimates and made the window a loss; with the longest
-context alone, a window of 64 responses to other bench problems (the arithmetic facts they share) took a
-prompt's first rollout from 1.88 to 4.60 tokens a row-step and 1.58x as fast (docs/results/README.md, "The
-window"). A source's state follows the drafted path; where the path leaves what it has seen, it backs off
+counts after a shorter one are another distribution. Pooled, the window's counts after two tokens would
+dilute the group's after twenty: a prompt's first rollout with a window of 64 responses to other bench
+problems (the arithmetic facts they share) takes 4.60 tokens a row-step and 11.3 s with the longest context
+alone, 2.80 and 21.1 s pooled, 1.88 and 17.8 s without the window (docs/results/README.md, "The window, and
+more history"). A source's state follows the drafted path; where the path leaves what it has seen, it backs off
 along suffix links (a shorter context) and drops out below `min_match` tokens, so another source may take
 over there.
 
@@ -309,12 +309,11 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
 
     def push_children(node: int, depth: int, score: float, views: list) -> None:
         nonlocal order
-        longest_here = max(m for _, _, m in views)
-        views = [v for v in views if v[2] == longest_here]  # the longest context speaks alone (module docstring)
-        merged: dict[int, list] = {}  # token -> [weighted probability, best (weight, src, child), count]
-        total_weight = sum(m for _, _, m in views)
+        context = max(m for _, _, m in views)  # the longest matched context: it speaks alone (module docstring)
+        views = [v for v in views if v[2] == context]
+        merged: dict[int, list] = {}  # token -> [averaged probability, best (weight, src, child), count]
         total_mass = 0
-        for src, state, matched in views:
+        for src, state, _ in views:
             sam = src.sam
             children = sam.next[state]
             counts = {tok: sam.count(child) for tok, child in children.items()}
@@ -323,7 +322,7 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
                 continue
             total_mass += mass
             for tok, child in children.items():
-                w = matched * counts[tok] / mass / total_weight
+                w = counts[tok] / mass / len(views)
                 entry = merged.setdefault(tok, [0.0, (-1.0, None, 0), 0])
                 entry[0] += w
                 entry[2] += counts[tok]
@@ -331,7 +330,6 @@ def draft_tree(sources: list[Source], max_depth: int, budget: int, min_match: in
                     entry[1] = (w, src, child)
         weighed = candidates.setdefault(node, {}) if candidates is not None else None
         keyed = weighed is not None or calibration is not None
-        context = max(m for _, _, m in views) if keyed else 0  # the longest matched context the continuations follow
         for tok, (p, (_, src, child), count) in merged.items():
             order += 1
             if keyed:
